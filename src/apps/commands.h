@@ -1,0 +1,14 @@
+// The kda binary's subcommands; each lives in its own cmd_*.cpp and returns an exit code.
+#pragma once
+#include <string>
+#include <vector>
+
+namespace kda::apps {
+
+using Args = std::vector<std::string>;  // arguments after the subcommand name
+
+int cmd_verify(const Args& args);
+int cmd_lineage(const Args& args);
+int cmd_bench(const Args& args);
+
+}  // namespace kda::apps

@@ -1,0 +1,47 @@
+// kda: one binary, subcommands.
+#include <cstdio>
+#include <exception>
+#include <string>
+
+#include "apps/commands.h"
+#include "core/error.h"
+
+namespace {
+
+void print_usage() {
+  std::puts(
+      "kda.cpp: the attention lineage that ends in Kimi Linear\n"
+      "\n"
+      "usage: kda <command> [options]\n"
+      "\n"
+      "commands:\n"
+      "  lineage   measured walk through the lineage (softmax -> KDA) on this machine\n"
+      "  verify    check op fixture files through every path the build has\n"
+      "  bench     CPU benchmarks: GEMM ceiling, chunked/recurrent KDA and Gated DeltaNet\n"
+      "\n"
+      "run 'kda <command> --help' for a command's options");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h") {
+    print_usage();
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string command = argv[1];
+  const kda::apps::Args args(argv + 2, argv + argc);
+  try {
+    if (command == "verify") return kda::apps::cmd_verify(args);
+    if (command == "lineage") return kda::apps::cmd_lineage(args);
+    if (command == "bench") return kda::apps::cmd_bench(args);
+    std::fprintf(stderr, "kda: unknown command '%s' (try 'kda --help')\n", command.c_str());
+    return 2;
+  } catch (const kda::Error& e) {
+    std::fprintf(stderr, "kda %s: error: %s\n", command.c_str(), e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kda %s: internal error: %s\n", command.c_str(), e.what());
+    return 1;
+  }
+}
