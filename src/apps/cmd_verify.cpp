@@ -1,10 +1,71 @@
+// kda verify PATH...: golden op fixtures through every path the build has.
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+
 #include "apps/commands.h"
 #include "core/error.h"
+#include "verify/op_fixture.h"
 
 namespace kda::apps {
+namespace {
 
-int cmd_verify(const Args&) {
-  throw Error("verify: not written yet");
+void print_usage() {
+  std::puts(
+      "usage: kda verify PATH...\n"
+      "\n"
+      "PATH: an op fixture file (.safetensors in the ../shared/fixtures/ops format) or a folder\n"
+      "of them. Each file's op and parameters come from its metadata. Every output, state and\n"
+      "gradient is compared through every path the build has (float64 reference, chunked,\n"
+      "recurrent, decode token by token, backward) as ||ours - file|| / ||file||.\n"
+      "Exits 1 if any error is beyond the fixtures' tolerances (fp32: outputs and states 1e-5,\n"
+      "gradients 1e-4).");
+}
+
+std::vector<std::string> expand(const Args& args) {
+  std::vector<std::string> files;
+  for (const std::string& a : args) {
+    if (std::filesystem::is_directory(a)) {
+      std::vector<std::string> found;
+      for (const auto& e : std::filesystem::directory_iterator(a))
+        if (e.path().extension() == ".safetensors") found.push_back(e.path().string());
+      std::sort(found.begin(), found.end());
+      require(!found.empty(), a + ": no .safetensors files in this folder");
+      files.insert(files.end(), found.begin(), found.end());
+    } else {
+      files.push_back(a);
+    }
+  }
+  return files;
+}
+
+}  // namespace
+
+int cmd_verify(const Args& args) {
+  if (args.empty() || args[0] == "--help" || args[0] == "-h") {
+    print_usage();
+    return args.empty() ? 2 : 0;
+  }
+  int failures = 0, checks = 0;
+  for (const std::string& path : expand(args)) {
+    std::string name = std::filesystem::path(path).filename().string();
+    try {
+      const verify::FixtureReport report = verify::check_op_fixture(path);
+      std::printf("%s (op %s)\n", name.c_str(), report.op.c_str());
+      for (const verify::CheckRow& row : report.rows) {
+        ++checks;
+        if (!row.passed()) ++failures;
+        std::printf("  %-20s %-9s %10.2e  <= %.0e  %s\n", row.path.c_str(), row.quantity.c_str(),
+                    row.error, row.tolerance, row.passed() ? "ok" : "FAIL");
+      }
+    } catch (const Error& e) {
+      ++failures;
+      std::printf("%s\n  error: %s\n", name.c_str(), e.what());
+    }
+  }
+  std::printf("%d checks, %d failed\n", checks, failures);
+  return failures ? 1 : 0;
 }
 
 }  // namespace kda::apps
