@@ -9,12 +9,18 @@ namespace kda {
 
 int hardware_threads();
 
-// Calls body(i) for i in [0, n) across threads. The first exception is rethrown after the loop.
+// Below this many floating-point operations in total, waking a thread team costs more than it
+// saves (decode steps): loops run on the calling thread.
+constexpr double kMinParallelFlops = 4e6;
+
+// Calls body(i) for i in [0, n) across threads (serially when n * flops_per_item is below
+// kMinParallelFlops). The first exception is rethrown after the loop.
 template <class Body>
-void parallel_for(int64_t n, Body&& body) {
+void parallel_for(int64_t n, Body&& body, double flops_per_item = 1e300) {
   std::exception_ptr error;
   std::mutex error_mutex;
-#pragma omp parallel for schedule(dynamic, 1)
+  const bool threaded = n > 1 && double(n) * flops_per_item >= kMinParallelFlops;
+#pragma omp parallel for schedule(dynamic, 1) if (threaded)
   for (int64_t i = 0; i < n; ++i) {
     try {
       body(i);

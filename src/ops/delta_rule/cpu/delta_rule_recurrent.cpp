@@ -53,14 +53,17 @@ void delta_rule_decode_step(const DeltaRuleShape& shape, const float* q, const f
   require(s.gate == Gate::none || g, "delta rule decode: this gate kind needs g");
   const int64_t N = s.B, H = s.H, HV = s.HV, K = s.K, V = s.V, gw = s.gate_width();
   const float scale = float(s.effective_scale());
-  parallel_for(N * HV, [&](int64_t job) {
-    const int64_t n = job / HV, hv = job % HV, h = hv / (HV / H);
-    thread_local std::vector<float> scratch;
-    scratch.resize(V);
-    token_update(K, V, gw, q + (n * H + h) * K, k + (n * H + h) * K, v + (n * HV + hv) * V,
-                 gw ? g + (n * HV + hv) * gw : nullptr, beta[n * HV + hv], scale,
-                 state + (n * HV + hv) * K * V, o + (n * HV + hv) * V, scratch.data());
-  });
+  parallel_for(
+      N * HV,
+      [&](int64_t job) {
+        const int64_t n = job / HV, hv = job % HV, h = hv / (HV / H);
+        thread_local std::vector<float> scratch;
+        scratch.resize(V);
+        token_update(K, V, gw, q + (n * H + h) * K, k + (n * H + h) * K, v + (n * HV + hv) * V,
+                     gw ? g + (n * HV + hv) * gw : nullptr, beta[n * HV + hv], scale,
+                     state + (n * HV + hv) * K * V, o + (n * HV + hv) * V, scratch.data());
+      },
+      7.0 * double(K) * double(V));
 }
 
 void delta_rule_recurrent_forward(const DeltaRuleInputs<float>& in, float* o, float* ht) {

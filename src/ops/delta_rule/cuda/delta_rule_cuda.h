@@ -1,0 +1,80 @@
+// CUDA entry points for the delta-rule family (DeltaNet, Gated DeltaNet, KDA): chunked prefill
+// forward, token-by-token (recurrent) forward, and the fused decode step over a state pool.
+//
+// Every tensor argument is a DEVICE pointer in the layouts of delta_rule.h (token-major, fla's):
+//   q, k [B, T, H, K]; v, o [B, T, HV, V]; g [B, T, HV, K] (Gate::channel, KDA) or [B, T, HV]
+//   (Gate::scalar, Gated DeltaNet), unused for Gate::none; beta [B, T, HV]; states fp32
+//   [N, HV, K, V]. With cu_seqlens, B = 1 and the N sequences are packed along T.
+// q, k, v, g, beta and o share one element type (bf16 or fp32); gate sums, the C x C solve and
+// the states are fp32. All work is queued on `stream`; nothing synchronises the host.
+// Errors in arguments throw kda::Error before anything is queued; CUDA errors throw kda::Error.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "ops/delta_rule/delta_rule.h"
+
+namespace kda::ops::cuda {
+
+enum class ElementType { f32, bf16 };
+
+struct DeltaRuleDeviceInputs {
+  DeltaRuleShape shape;
+  ElementType dtype = ElementType::bf16;
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* g = nullptr;  // log-space gate (natural log); may be null for Gate::none
+  const void* beta = nullptr;
+  const float* h0 = nullptr;  // optional initial states [N, HV, K, V]
+  // HOST copy of the packed sequence boundaries (N + 1 entries, first 0, last T); empty means
+  // B sequences of T tokens. The host always knows the lengths, so no device round trip.
+  std::span<const int64_t> cu_seqlens = {};
+};
+
+// Chunked forward (C = 64). bf16 inputs run the tensor-core path (bf16 products, fp32
+// accumulation, fp32 gate sums / solve / state; fla's precision). fp32 inputs run the fp32
+// recurrent kernel instead (exact to fp32 rounding). Supported: K, V in {64, 128} for bf16.
+//
+// KDA gate precondition (bf16 path): within each aligned 16-token block of a chunk the decay
+// of a channel must not exceed exp(-80) (sum of 15 consecutive g > -80). Gates bounded by
+// fla's lower_bound = -5 always satisfy it; Gated DeltaNet and DeltaNet have no such limit.
+//
+// o [B, T, HV, V] (same element type as the inputs); ht [N, HV, K, V] fp32 or null.
+// `workspace` must hold chunk_forward_workspace_bytes(...) bytes of device memory and must not
+// be used by other work on other streams while this call's work runs.
+size_t chunk_forward_workspace_bytes(const DeltaRuleShape& shape,
+                                     std::span<const int64_t> cu_seqlens);
+void chunk_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void* workspace,
+                   size_t workspace_bytes, cudaStream_t stream);
+
+// The recurrence token by token (one block per sequence, value head and 32-column tile of the
+// state): fp32 arithmetic throughout. Any K in {64, 128}, V a multiple of 32. `workspace` as for
+// chunk_forward, of recurrent_forward_workspace_bytes(...) bytes (it holds the sequence table).
+size_t recurrent_forward_workspace_bytes(std::span<const int64_t> cu_seqlens);
+void recurrent_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void* workspace,
+                       size_t workspace_bytes, cudaStream_t stream);
+
+// One decode step for shape.B sequences, one token each: q, k [B, H, K]; v [B, HV, V];
+// g [B, HV, K] or [B, HV]; beta [B, HV]; o [B, HV, V]. Sequence b reads and updates, in place,
+// the fp32 state state_pool[slots[b]] ([num_slots, HV, K, V]); `slots` is a device array of B
+// distinct int32 slot indices in [0, num_slots) (not checked on the device).
+struct DecodeArgs {
+  DeltaRuleShape shape;  // B = number of sequences; T is ignored
+  ElementType dtype = ElementType::bf16;
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* g = nullptr;
+  const void* beta = nullptr;
+  float* state_pool = nullptr;
+  const int32_t* slots = nullptr;
+  int64_t num_slots = 0;
+  void* o = nullptr;
+};
+void decode_step(const DecodeArgs& args, cudaStream_t stream);
+
+}  // namespace kda::ops::cuda
