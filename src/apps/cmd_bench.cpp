@@ -69,7 +69,8 @@ int cmd_bench(const Args& args) {
   }
   require(heads >= 1 && dim >= 1 && reps >= 1, "bench: --heads, --dim and --reps must be >= 1");
 
-  std::printf("kda bench: %d threads, %s\n", hardware_threads(), machine_description().c_str());
+  std::printf("kda bench: %d threads, %s, OpenBLAS core %s\n", hardware_threads(),
+              machine_description().c_str(), openblas_core_name().c_str());
   const double gemm = measure_gemm_gflops(2048, reps);
   std::printf("fp32 GEMM 2048^3 (OpenBLAS): %.1f GFLOP/s\n\n", gemm);
 

@@ -1,9 +1,13 @@
 // kda: one binary, subcommands.
+#include <unistd.h>
+
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <string>
 
 #include "apps/commands.h"
+#include "core/blas.h"
 #include "core/error.h"
 
 namespace {
@@ -25,6 +29,12 @@ void print_usage() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Let OpenBLAS use this CPU's vector kernels (see openblas_coretype_upgrade); it reads the
+  // variable only at load time, hence the re-execution. On failure we simply run on.
+  if (const std::string core = kda::openblas_coretype_upgrade(); !core.empty()) {
+    setenv("OPENBLAS_CORETYPE", core.c_str(), 1);
+    execv("/proc/self/exe", argv);
+  }
   if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h") {
     print_usage();
     return argc < 2 ? 2 : 0;
