@@ -6,6 +6,7 @@
 
 #include "apps/commands.h"
 #include "core/error.h"
+#include "verify/model_fixture.h"
 #include "verify/op_fixture.h"
 
 namespace kda::apps {
@@ -15,7 +16,10 @@ void print_usage() {
   std::puts(
       "usage: kda verify PATH...\n"
       "\n"
-      "PATH: an op fixture file (.safetensors in the ../shared/fixtures/ops format) or a folder\n"
+      "PATH: a model folder with reference.safetensors (the ../shared/fixtures/models format):\n"
+      "logits (1e-4), loss (1e-5) and the greedy continuation through the decode path.\n"
+      "\n"
+      "Or an op fixture file (.safetensors in the ../shared/fixtures/ops format) or a folder\n"
       "of them. Each file's op and parameters come from its metadata. Every output, state and\n"
       "gradient is compared through every path the build has (float64 reference, chunked,\n"
       "recurrent, decode token by token, backward) as ||ours - file|| / ||file||.\n"
@@ -26,7 +30,9 @@ void print_usage() {
 std::vector<std::string> expand(const Args& args) {
   std::vector<std::string> files;
   for (const std::string& a : args) {
-    if (std::filesystem::is_directory(a)) {
+    if (verify::is_model_fixture(a)) {
+      files.push_back(a);
+    } else if (std::filesystem::is_directory(a)) {
       std::vector<std::string> found;
       for (const auto& e : std::filesystem::directory_iterator(a))
         if (e.path().extension() == ".safetensors") found.push_back(e.path().string());
@@ -51,7 +57,9 @@ int cmd_verify(const Args& args) {
   for (const std::string& path : expand(args)) {
     std::string name = std::filesystem::path(path).filename().string();
     try {
-      const verify::FixtureReport report = verify::check_op_fixture(path);
+      const verify::FixtureReport report = verify::is_model_fixture(path)
+                                               ? verify::check_model_folder(path)
+                                               : verify::check_op_fixture(path);
       std::printf("%s (op %s)\n", name.c_str(), report.op.c_str());
       for (const verify::CheckRow& row : report.rows) {
         ++checks;

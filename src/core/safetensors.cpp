@@ -34,13 +34,53 @@ namespace {
 }
 
 constexpr uint64_t kMaxHeaderBytes = 100u << 20;  // the format's own limit
+// A valid header is three levels deep (header > tensor > shape); refusing anything much deeper
+// keeps a hostile header from costing memory in proportion to its nesting.
+constexpr int kMaxHeaderDepth = 8;
+
+// Parses the JSON header. Any failure, including a repeated key (which nlohmann would silently
+// resolve to the last value), becomes a kda::Error naming the file.
+json parse_header(const std::string& path, const char* begin, const char* end) {
+  std::vector<size_t> keys_seen;  // per object being parsed
+  const json::parser_callback_t check = [&](int depth, json::parse_event_t event, json& parsed) {
+    switch (event) {
+      case json::parse_event_t::object_start:
+      case json::parse_event_t::array_start:
+        if (depth >= kMaxHeaderDepth) {
+          fail(path, "header nests deeper than " + std::to_string(kMaxHeaderDepth) + " levels");
+        }
+        if (event == json::parse_event_t::object_start) keys_seen.push_back(0);
+        break;
+      case json::parse_event_t::key:
+        ++keys_seen.back();
+        break;
+      case json::parse_event_t::object_end:
+        if (parsed.size() != keys_seen.back()) {
+          fail(path, "header repeats a key within one object");
+        }
+        keys_seen.pop_back();
+        break;
+      default:
+        break;
+    }
+    return true;
+  };
+  try {
+    return json::parse(begin, end, check);
+  } catch (const json::exception& e) {
+    fail(path, std::string("header is not JSON: ") + e.what());
+  } catch (const std::bad_alloc&) {
+    fail(path, "out of memory parsing a header of " + std::to_string(end - begin) + " bytes");
+  }
+}
 
 }  // namespace
 
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
   SafetensorsFile file;
   file.path_ = path;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below).
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) throw Error(path + ": cannot open: " + std::strerror(errno));
   struct stat st {};
   if (fstat(fd, &st) != 0) {
@@ -78,12 +118,7 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
                    std::to_string(size) + " bytes)");
   }
   const char* header_begin = reinterpret_cast<const char*>(bytes + 8);
-  json header;
-  try {
-    header = json::parse(header_begin, header_begin + header_len);
-  } catch (const json::exception& e) {
-    fail(path, std::string("header is not JSON: ") + e.what());
-  }
+  const json header = parse_header(path, header_begin, header_begin + header_len);
   if (!header.is_object()) fail(path, "header is not a JSON object");
 
   const size_t data_size = size - 8 - size_t(header_len);
@@ -111,16 +146,18 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     if (!value.contains("shape") || !value["shape"].is_array())
       fail(path, where + " has no shape array");
     Shape shape;
-    uint64_t numel = 1;
+    // Strides multiply every nonzero dimension, so their product must fit int64 even when
+    // another dimension is 0 (and numel with it).
+    uint64_t numel = 1, nonzero_product = 1;
     for (const json& d : value["shape"]) {
       if (!d.is_number_unsigned())
         fail(path, where + " has a shape entry that is not a non-negative integer");
       const uint64_t n = d.get<uint64_t>();
-      if (n > uint64_t(std::numeric_limits<int64_t>::max()) ||
-          (n != 0 && numel > std::numeric_limits<uint64_t>::max() / n)) {
+      constexpr uint64_t kMaxExtent = uint64_t(std::numeric_limits<int64_t>::max());
+      if (n != 0 && nonzero_product > kMaxExtent / n)
         fail(path, where + " has a shape too large to address");
-      }
-      numel *= n;
+      if (n != 0) nonzero_product *= n;
+      numel *= n;  // 0 or nonzero_product: cannot overflow
       shape.push_back(int64_t(n));
     }
     if (!value.contains("data_offsets") || !value["data_offsets"].is_array() ||
@@ -151,6 +188,11 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   return file;
 }
 
+std::span<const std::byte> SafetensorsFile::file_bytes() const {
+  if (!mapping_ || !mapping_->address) return {};
+  return {static_cast<const std::byte*>(mapping_->address), mapping_->size};
+}
+
 std::vector<std::string> SafetensorsFile::names() const {
   std::vector<std::string> out;
   for (const auto& [name, entry] : entries_) out.push_back(name);
@@ -171,13 +213,17 @@ Tensor SafetensorsFile::load(const std::string& name, DType dtype) const {
 
 void write_file_atomic(const std::string& path, const std::string& bytes) {
   namespace fs = std::filesystem;
+  require(!path.empty(), "cannot write a file with an empty path");
   const fs::path target(path);
   const fs::path folder = target.has_parent_path() ? target.parent_path() : fs::path(".");
   std::random_device rd;
-  const std::string temp =
-      (folder / ("." + target.filename().string() + ".tmp" + std::to_string(rd()))).string();
+  // Built by appending: GCC 12 warns falsely (-Wrestrict) on "." + std::string.
+  std::string temp_name = ".";
+  temp_name += target.filename().string();
+  temp_name += ".tmp" + std::to_string(rd());
+  const std::string temp = (folder / temp_name).string();
   const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) throw Error(temp + ": cannot create: " + std::strerror(errno));
+  if (fd < 0) throw Error(path + ": cannot create temporary " + temp + ": " + std::strerror(errno));
   size_t written = 0;
   while (written < bytes.size()) {
     const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
@@ -186,13 +232,18 @@ void write_file_atomic(const std::string& path, const std::string& bytes) {
       const std::string why = std::strerror(errno);
       ::close(fd);
       ::unlink(temp.c_str());
-      throw Error(temp + ": write failed: " + why);
+      throw Error(path + ": writing temporary " + temp + " failed: " + why);
     }
     written += size_t(n);
   }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+  const bool synced = ::fsync(fd) == 0;
+  const int sync_errno = errno;
+  const bool closed = ::close(fd) == 0;  // always close, even when fsync failed
+  if (!synced || !closed) {
+    const std::string why = std::strerror(synced ? errno : sync_errno);
     ::unlink(temp.c_str());
-    throw Error(temp + ": fsync/close failed");
+    throw Error(path + ": " + (synced ? "close" : "fsync") + " of temporary " + temp +
+                " failed: " + why);
   }
   if (::rename(temp.c_str(), path.c_str()) != 0) {
     const std::string why = std::strerror(errno);
@@ -212,15 +263,25 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
   if (!metadata.empty()) header["__metadata__"] = metadata;
   size_t offset = 0;
   for (const auto& [name, tensor] : tensors) {
-    require(name != "__metadata__", "a tensor may not be named __metadata__");
-    require(!header.contains(name), path + ": tensor '" + name + "' given twice");
+    const std::string where = path + ": tensor '" + name + "'";
+    require(name != "__metadata__", path + ": a tensor may not be named __metadata__");
+    require(!header.contains(name), where + " given twice");
+    require(tensor != nullptr, where + " is a null pointer");
+    require(tensor->raw() != nullptr || tensor->nbytes() == 0, where + " has no storage");
     header[name] = {{"dtype", std::string(dtype_name(tensor->dtype()))},
                     {"shape", tensor->shape()},
                     {"data_offsets", {offset, offset + tensor->nbytes()}}};
     offset += tensor->nbytes();
   }
-  std::string text = header.dump();
+  std::string text;
+  try {
+    text = header.dump();  // throws on names or metadata that are not UTF-8
+  } catch (const json::exception& e) {
+    throw Error(path + ": cannot write the header: " + e.what());
+  }
   while ((8 + text.size()) % 8) text.push_back(' ');  // align the data section
+  require(text.size() <= kMaxHeaderBytes, path + ": header of " + std::to_string(text.size()) +
+                                              " bytes is over the format's 100 MiB");
   std::string bytes(8, '\0');
   const uint64_t n = text.size();
   for (int i = 0; i < 8; ++i) bytes[i] = char((n >> (8 * i)) & 0xff);

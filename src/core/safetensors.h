@@ -4,6 +4,7 @@
 #pragma once
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,8 @@ class SafetensorsFile {
   bool contains(const std::string& name) const { return entries_.count(name) != 0; }
   std::vector<std::string> names() const;  // sorted
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  // The whole mapped file, header included; every view points inside it.
+  std::span<const std::byte> file_bytes() const;
 
   // A view into the mapped file; valid while this object (or a copy) lives.
   TensorView view(const std::string& name) const;

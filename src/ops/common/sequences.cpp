@@ -10,6 +10,8 @@ namespace kda::ops {
 SequenceLayout::SequenceLayout(int64_t B, int64_t T, std::span<const int64_t> cu_seqlens) {
   require(B >= 1 && T >= 1, "batch and length must be positive (B = " + std::to_string(B) +
                                 ", T = " + std::to_string(T) + ")");
+  require(B <= (int64_t(1) << 40) / T, "batch x length is too large (B = " + std::to_string(B) +
+                                           ", T = " + std::to_string(T) + ")");
   total_ = B * T;
   if (cu_seqlens.empty()) {
     for (int64_t b = 0; b < B; ++b) {

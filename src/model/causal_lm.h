@@ -1,0 +1,66 @@
+// The architecture-independent face of a language model: a whole-sequence forward (no caches),
+// and sessions that hold a sequence's caches and states for prefill + token-by-token decode.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace kda::model {
+
+// What a config implies, without weights (kda info works on a bare config.json).
+struct ArchitectureInfo {
+  std::string model_type;                // "gpt2", "kimi_linear"
+  std::string summary;                   // one line: sizes
+  std::vector<std::string> layer_kinds;  // per layer, e.g. "KDA + dense MLP", "MLA + MoE"
+  int64_t total_params = 0;
+  int64_t active_params = 0;                    // per token (MoE: routed top-k + shared only)
+  int64_t num_state_layers = 0;                 // layers with a fixed recurrent state (KDA)
+  int64_t state_bytes_per_layer = 0;            // per sequence, at the engine's state dtypes
+  int64_t num_cache_layers = 0;                 // layers whose cache grows with the context
+  int64_t cache_bytes_per_token_per_layer = 0;  // bf16 cache entries
+  // State + cache bytes per sequence at `tokens` of context.
+  int64_t memory_per_sequence(int64_t tokens) const {
+    return num_state_layers * state_bytes_per_layer +
+           tokens * num_cache_layers * cache_bytes_per_token_per_layer;
+  }
+};
+
+struct MemoryReport {
+  int64_t weight_bytes = 0;  // as held in memory (fp32 on the CPU)
+  int64_t state_bytes = 0;   // fixed-size recurrent and conv states
+  int64_t cache_bytes = 0;   // growing caches (KV, MLA latent), bytes in use
+};
+
+// One sequence's caches and states.
+class Session {
+ public:
+  virtual ~Session() = default;
+  // Feeds the next tokens (a prefill when several, a decode step when one); returns the logits
+  // of every fed token, [ids.size(), vocab] fp32. Throws past the session's max context.
+  virtual Tensor feed(std::span<const int32_t> ids) = 0;
+  virtual int64_t length() const = 0;  // tokens fed so far
+  virtual MemoryReport memory() const = 0;
+};
+
+class CausalLM {
+ public:
+  virtual ~CausalLM() = default;
+  virtual const ArchitectureInfo& info() const = 0;
+  virtual int64_t vocab_size() const = 0;
+  virtual int64_t weight_bytes() const = 0;
+  // One forward pass over one sequence without caches: logits [ids.size(), vocab].
+  virtual Tensor forward(std::span<const int32_t> ids) const = 0;
+  // max_context bounds the growing caches (0: the config's maximum).
+  virtual std::unique_ptr<Session> start_session(int64_t max_context = 0) const = 0;
+};
+
+// Dispatch on config["model_type"]; throws kda::Error for an unknown type.
+ArchitectureInfo describe_config(const nlohmann::json& config);
+std::unique_ptr<CausalLM> load_causal_lm(const std::string& path);
+
+}  // namespace kda::model

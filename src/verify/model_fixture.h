@@ -1,0 +1,19 @@
+// Holds a model folder against its reference.safetensors (the ../shared/fixtures/models
+// format): logits of one forward pass (<= 1e-4 relative), the mean next-token loss (<= 1e-5),
+// and the greedy continuation produced through the decode path (prefill, then one token at a
+// time through the caches), which must be identical. Rows reuse FixtureReport.
+#pragma once
+#include <string>
+
+#include "verify/op_fixture.h"
+
+namespace kda::verify {
+
+constexpr double kLogitsTolerance = 1e-4;
+constexpr double kLossTolerance = 1e-5;
+
+// True when `path` is a folder with config.json and reference.safetensors.
+bool is_model_fixture(const std::string& path);
+FixtureReport check_model_folder(const std::string& path);
+
+}  // namespace kda::verify
