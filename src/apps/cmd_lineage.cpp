@@ -26,7 +26,7 @@ constexpr double kAgreeTolerance = 1e-5;
 void print_usage() {
   std::puts(
       "usage: kda lineage [--contexts 1024,4096,16384,65536] [--heads 4] [--dim 128]\n"
-      "                   [--cap-seconds 20] [--out DIR]\n"
+      "                   [--cap-seconds 60] [--out DIR]\n"
       "\n"
       "For each context T, each step of the lineage (softmax recomputed without a cache as\n"
       "GPT-2 generates without one, softmax with a KV cache, linear attention, DeltaNet, Gated\n"
@@ -216,7 +216,7 @@ Row delta_row(const Tokens& x, ops::Gate gate, const char* name) {
 int cmd_lineage(const Args& args) {
   std::vector<int64_t> contexts = {1024, 4096, 16384, 65536};
   int64_t heads = 4, dim = 128;
-  double cap_seconds = 20;
+  double cap_seconds = 60;
   std::string out_dir = "out/lineage";
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];

@@ -30,9 +30,7 @@ void print_usage() {
 std::vector<std::string> expand(const Args& args) {
   std::vector<std::string> files;
   for (const std::string& a : args) {
-    if (verify::is_model_fixture(a)) {
-      files.push_back(a);
-    } else if (std::filesystem::is_directory(a)) {
+    if (std::filesystem::is_directory(a)) {
       std::vector<std::string> found;
       for (const auto& e : std::filesystem::directory_iterator(a))
         if (e.path().extension() == ".safetensors") found.push_back(e.path().string());
@@ -57,9 +55,7 @@ int cmd_verify(const Args& args) {
   for (const std::string& path : expand(args)) {
     std::string name = std::filesystem::path(path).filename().string();
     try {
-      const verify::FixtureReport report = verify::is_model_fixture(path)
-                                               ? verify::check_model_folder(path)
-                                               : verify::check_op_fixture(path);
+      const verify::FixtureReport report = verify::check_op_fixture(path);
       std::printf("%s (op %s)\n", name.c_str(), report.op.c_str());
       for (const verify::CheckRow& row : report.rows) {
         ++checks;

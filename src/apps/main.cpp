@@ -22,6 +22,9 @@ void print_usage() {
       "  lineage   measured walk through the lineage (softmax -> KDA) on this machine\n"
       "  verify    check op fixture files through every path the build has\n"
       "  bench     CPU benchmarks: GEMM ceiling, chunked/recurrent KDA and Gated DeltaNet\n"
+      "  info      architecture, parameters and memory per sequence of a model or config\n"
+      "  run       generate text from a model folder (GPT-2, Kimi Linear)\n"
+      "  tokenize  text to token ids\n"
       "\n"
       "run 'kda <command> --help' for a command's options");
 }
