@@ -29,8 +29,8 @@ TEST_P(OpFixture, EveryPathWithinTolerance) {
   const verify::FixtureReport report = verify::check_op_fixture(path);
   ASSERT_FALSE(report.rows.empty());
   for (const verify::CheckRow& row : report.rows) {
-    EXPECT_TRUE(row.passed()) << row.path << " " << row.quantity << " error " << row.error
-                              << " > " << row.tolerance;
+    EXPECT_TRUE(row.passed()) << row.path << " " << row.quantity << " error " << row.error << " > "
+                              << row.tolerance;
   }
 }
 
@@ -44,8 +44,8 @@ struct LayerProblem {
   ops::KdaOptions options;
   std::vector<float> q, k, v, graw, braw, A_log, dt_bias, h0;
   ops::KdaInputs<float> inputs() const {
-    return {shape, options, q.data(), k.data(), v.data(), graw.data(), braw.data(),
-            A_log.data(), dt_bias.data(), h0.data(), {}};
+    return {shape,       options,      q.data(),       k.data(),  v.data(), graw.data(),
+            braw.data(), A_log.data(), dt_bias.data(), h0.data(), {}};
   }
 };
 
@@ -73,8 +73,17 @@ double layer_loss(const LayerProblem& p, const std::map<std::string, std::vector
                   const std::vector<double>& d_o, const std::vector<double>& d_ht) {
   auto ptr = [&](const char* n) { return x.at(n).data(); };
   std::vector<double> o(d_o.size()), ht(d_ht.size());
-  ops::kda_reference({p.shape, p.options, ptr("q"), ptr("k"), ptr("v"), ptr("graw"), ptr("braw"),
-                      ptr("A_log"), ptr("dt_bias"), ptr("h0"), {}},
+  ops::kda_reference({p.shape,
+                      p.options,
+                      ptr("q"),
+                      ptr("k"),
+                      ptr("v"),
+                      ptr("graw"),
+                      ptr("braw"),
+                      ptr("A_log"),
+                      ptr("dt_bias"),
+                      ptr("h0"),
+                      {}},
                      o.data(), ht.data());
   double l = 0;
   for (size_t i = 0; i < o.size(); ++i) l += o[i] * d_o[i];
@@ -108,16 +117,19 @@ TEST(KdaLayer, GradientsOfEveryInputMatchFiniteDifferences) {
       grads[n] = testing::poisoned(src.size());
     }
     // a chunk of 4 puts several chunks inside T = 9
-    ops::kda_chunk_backward(p.inputs(), d_o.data(), d_ht.data(),
-                            {grads["q"].data(), grads["k"].data(), grads["v"].data(),
-                             grads["graw"].data(), grads["braw"].data(), grads["A_log"].data(),
-                             grads["dt_bias"].data(), grads["h0"].data()},
-                            4);
-    std::map<std::string, std::vector<double>> x = {
-        {"q", testing::to_double(p.q)},         {"k", testing::to_double(p.k)},
-        {"v", testing::to_double(p.v)},         {"graw", testing::to_double(p.graw)},
-        {"braw", testing::to_double(p.braw)},   {"A_log", testing::to_double(p.A_log)},
-        {"dt_bias", testing::to_double(p.dt_bias)}, {"h0", testing::to_double(p.h0)}};
+    ops::kda_chunk_backward(
+        p.inputs(), d_o.data(), d_ht.data(),
+        {grads["q"].data(), grads["k"].data(), grads["v"].data(), grads["graw"].data(),
+         grads["braw"].data(), grads["A_log"].data(), grads["dt_bias"].data(), grads["h0"].data()},
+        4);
+    std::map<std::string, std::vector<double>> x = {{"q", testing::to_double(p.q)},
+                                                    {"k", testing::to_double(p.k)},
+                                                    {"v", testing::to_double(p.v)},
+                                                    {"graw", testing::to_double(p.graw)},
+                                                    {"braw", testing::to_double(p.braw)},
+                                                    {"A_log", testing::to_double(p.A_log)},
+                                                    {"dt_bias", testing::to_double(p.dt_bias)},
+                                                    {"h0", testing::to_double(p.h0)}};
     const auto d_o64 = testing::to_double(d_o), d_ht64 = testing::to_double(d_ht);
     for (auto& [name, values] : x) {
       std::vector<double> fd(values.size());
@@ -139,16 +151,28 @@ TEST(KdaLayer, GradientsOfEveryInputMatchFiniteDifferences) {
 TEST(KdaLayer, ChunkedRecurrentAndDecodeAgreeWithReference) {
   const DeltaRuleShape shape{2, 150, 2, 4, 32, 16, Gate::channel, 0};
   const LayerProblem p = random_layer(600, shape, {});
-  std::map<std::string, std::vector<double>> x = {
-      {"q", testing::to_double(p.q)},         {"k", testing::to_double(p.k)},
-      {"v", testing::to_double(p.v)},         {"graw", testing::to_double(p.graw)},
-      {"braw", testing::to_double(p.braw)},   {"A_log", testing::to_double(p.A_log)},
-      {"dt_bias", testing::to_double(p.dt_bias)}, {"h0", testing::to_double(p.h0)}};
+  std::map<std::string, std::vector<double>> x = {{"q", testing::to_double(p.q)},
+                                                  {"k", testing::to_double(p.k)},
+                                                  {"v", testing::to_double(p.v)},
+                                                  {"graw", testing::to_double(p.graw)},
+                                                  {"braw", testing::to_double(p.braw)},
+                                                  {"A_log", testing::to_double(p.A_log)},
+                                                  {"dt_bias", testing::to_double(p.dt_bias)},
+                                                  {"h0", testing::to_double(p.h0)}};
   auto ptr = [&](const char* n) { return x.at(n).data(); };
   const size_t o_n = shape.B * shape.T * shape.HV * shape.V;
   std::vector<double> o_ref(o_n), ht_ref(p.h0.size());
-  ops::kda_reference({shape, p.options, ptr("q"), ptr("k"), ptr("v"), ptr("graw"), ptr("braw"),
-                      ptr("A_log"), ptr("dt_bias"), ptr("h0"), {}},
+  ops::kda_reference({shape,
+                      p.options,
+                      ptr("q"),
+                      ptr("k"),
+                      ptr("v"),
+                      ptr("graw"),
+                      ptr("braw"),
+                      ptr("A_log"),
+                      ptr("dt_bias"),
+                      ptr("h0"),
+                      {}},
                      o_ref.data(), ht_ref.data());
   auto o = testing::poisoned(o_n), ht = testing::poisoned(p.h0.size());
   ops::kda_chunk_forward(p.inputs(), o.data(), ht.data());
@@ -201,8 +225,15 @@ TEST(KdaVerify, UnseenFixtureFileOfTheSameFormat) {
   const auto path = std::filesystem::temp_directory_path() / "kda_unseen_case.safetensors";
   auto write = [&] {
     write_safetensors(path.string(),
-                      {{"q", &q}, {"k", &k}, {"v", &v}, {"g", &g}, {"beta", &beta}, {"h0", &h0},
-                       {"o", &o}, {"ht", &ht}, {"cu_seqlens", &cu_t}},
+                      {{"q", &q},
+                       {"k", &k},
+                       {"v", &v},
+                       {"g", &g},
+                       {"beta", &beta},
+                       {"h0", &h0},
+                       {"o", &o},
+                       {"ht", &ht},
+                       {"cu_seqlens", &cu_t}},
                       meta);
   };
   write();

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -156,8 +157,13 @@ void chunk_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void* wo
   x.H = int(s.H);
   x.HV = int(s.HV);
   x.scale = float(s.effective_scale());
-  launch_chunk_prepare(x, ws, s.gate, int(s.K), int(s.V), stream);
-  launch_chunk_state(x, ws, N, int(s.K), int(s.V), stream);
+  // Kernel-lab knob: KDA_CHUNK_STAGES=prepare|state runs one stage alone (for timing only;
+  // the output is then incomplete). Unset in normal use.
+  const char* stages = std::getenv("KDA_CHUNK_STAGES");
+  const bool only_prepare = stages && std::strcmp(stages, "prepare") == 0;
+  const bool only_state = stages && std::strcmp(stages, "state") == 0;
+  if (!only_state) launch_chunk_prepare(x, ws, s.gate, int(s.K), int(s.V), stream);
+  if (!only_prepare) launch_chunk_state(x, ws, N, int(s.K), int(s.V), stream);
 }
 
 }  // namespace kda::ops::cuda

@@ -69,6 +69,19 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int gr = lane >> 2, tq = lane & 3;
   const size_t row_base = (size_t(chunk) * x.HV + hv) * C;
 
+  // q, k rows for phase 2, fetched now so their latency hides behind phase 1
+  constexpr int kItems = C * K / 8 / kThreads;
+  uint4 q_raw[kItems], k_raw[kItems];
+#pragma unroll
+  for (int it = 0; it < kItems; ++it) {
+    const int idx = tid + it * kThreads, i = idx / (K / 8), c = (idx % (K / 8)) * 8;
+    q_raw[it] = k_raw[it] = make_uint4(0, 0, 0, 0);
+    if (i < len) {
+      q_raw[it] = *reinterpret_cast<const uint4*>(x.q + (size_t(tok0 + i) * x.H + h) * K + c);
+      k_raw[it] = *reinterpret_cast<const uint4*>(x.k + (size_t(tok0 + i) * x.H + h) * K + c);
+    }
+  }
+
   // ---- phase 1: v tile (async), beta, gate cumulative sums ----
   for (int idx = tid; idx < C * V / 8; idx += kThreads) {
     const int i = idx / (V / 8), c = (idx % (V / 8)) * 8;
@@ -124,16 +137,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   __syncthreads();
 
   // ---- phase 2: scaled operands (smem) and Qt, Kd, exp(G_C) (workspace) ----
-  for (int idx = tid; idx < C * K / 8; idx += kThreads) {
-    const int i = idx / (K / 8), c = (idx % (K / 8)) * 8;
-    float q8[8], k8[8];
-    if (i < len) {
-      load8(x.q + (size_t(tok0 + i) * x.H + h) * K + c, q8);
-      load8(x.k + (size_t(tok0 + i) * x.H + h) * K + c, k8);
-    } else {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) q8[e] = k8[e] = 0.f;
-    }
+  for (int it = 0; it < kItems; ++it) {
+    const int idx = tid + it * kThreads, i = idx / (K / 8), c = (idx % (K / 8)) * 8;
+    float q8[8], k8[8];
+    load8(reinterpret_cast<const bf16*>(&q_raw[it]), q8);
+    load8(reinterpret_cast<const bf16*>(&k_raw[it]), k8);
     float qs[8], ks[8], kn[8], qt[8], kd[8];
     if constexpr (kChannel) {
       const float* gi = sG + i * LDG + c;

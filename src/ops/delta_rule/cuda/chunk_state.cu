@@ -14,12 +14,12 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 constexpr int C = kChunk;
-constexpr int BV = kStateTile;
-constexpr int kThreads = 128;
+constexpr int BV = kStateTile;  // columns per group of 4 warps
 
-template <int K>
+// NT groups of 4 warps share one block's W / Qt / Kd / M tiles and own NT * 32 columns.
+template <int K, int NT>
 struct StateLayout {
-  static constexpr int LDK = K + 8, LDM = C + 8, LDS = BV + 8;
+  static constexpr int LDK = K + 8, LDM = C + 8, LDS = NT * BV + 8;
   static constexpr size_t bytes_k = size_t(C) * LDK * 2, bytes_m = size_t(C) * LDM * 2;
   static constexpr size_t off_w = 0, off_q = bytes_k, off_kd = 2 * bytes_k;  // Kd: 2 buffers
   static constexpr size_t off_m = 4 * bytes_k;                               // M: 2 buffers
@@ -30,10 +30,11 @@ struct StateLayout {
   static constexpr size_t total = off_gc + 2 * K * 4;
 };
 
-template <int K, int V>
-__global__ void __launch_bounds__(kThreads, 2)
+template <int K, int V, int NT>
+__global__ void __launch_bounds__(128 * NT, 2 / NT)
     chunk_state_kernel(const ChunkTokens x, const ChunkWorkspace ws) {
-  using L = StateLayout<K>;
+  using L = StateLayout<K, NT>;
+  constexpr int kThreads = 128 * NT;
   constexpr int LDK = L::LDK, LDM = L::LDM, LDS = L::LDS;
   constexpr int MT = K / 64;  // 16-row state tiles per warp
   extern __shared__ __align__(16) unsigned char smem[];
@@ -48,11 +49,12 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   const int vt = blockIdx.x, hv = blockIdx.y;
   const int64_t n = blockIdx.z;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, group = tid >> 7;
   const int gr = lane >> 2, tq = lane & 3;
   const int64_t chunk0 = ws.seq_chunk0[n], nchunks = ws.seq_nchunks[n];
   const int mrow0 = warp * (K / 4);
-  const int col0 = vt * BV;
+  const int col0 = vt * NT * BV;  // first state column of the block
+  const int cg = group * BV;      // this warp group's columns within the block's tiles
 
   auto load_wqu = [&](int64_t chunk) {
     const size_t base = (size_t(chunk) * x.HV + hv) * C;
@@ -61,8 +63,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       cp_async16(sW + i * LDK + c, ws.W + (base + i) * K + c);
       cp_async16(sQ + i * LDK + c, ws.Qt + (base + i) * K + c);
     }
-    for (int idx = tid; idx < C * BV / 8; idx += kThreads) {
-      const int i = idx / (BV / 8), c = (idx % (BV / 8)) * 8;
+    for (int idx = tid; idx < C * NT * BV / 8; idx += kThreads) {
+      const int i = idx / (NT * BV / 8), c = (idx % (NT * BV / 8)) * 8;
       cp_async16(sU + i * LDS + c, ws.U + (base + i) * V + col0 + c);
     }
   };
@@ -84,7 +86,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   };
 
   float S[MT][BV / 8][4];
-  const size_t state_off = (size_t(n) * x.HV + hv) * size_t(K) * V + col0;
+  const size_t state_off = (size_t(n) * x.HV + hv) * size_t(K) * V + col0 + cg;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -111,7 +113,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int nt = 0; nt < BV / 8; ++nt) {
-        const int r = mrow0 + 16 * mt + gr, c = 8 * nt + 2 * tq;
+        const int r = mrow0 + 16 * mt + gr, c = cg + 8 * nt + 2 * tq;
         *reinterpret_cast<uint32_t*>(sS + r * LDS + c) = pack_bf16(S[mt][nt][0], S[mt][nt][1]);
         *reinterpret_cast<uint32_t*>(sS + (r + 8) * LDS + c) =
             pack_bf16(S[mt][nt][2], S[mt][nt][3]);
@@ -133,7 +135,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
       for (int np = 0; np < BV / 16; ++np) {
         uint32_t b[4];
-        load_b_kn(b, sS, LDS, 16 * kk, 16 * np, lane);
+        load_b_kn(b, sS, LDS, 16 * kk, cg + 16 * np, lane);
         mma_bf16(accD[2 * np], aw, b[0], b[1]);
         mma_bf16(accD[2 * np + 1], aw, b[2], b[3]);
         mma_bf16(accP[2 * np], aq, b[0], b[1]);
@@ -144,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int nt = 0; nt < BV / 8; ++nt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int r = 16 * warp + gr + 8 * half, c = 8 * nt + 2 * tq;
+        const int r = 16 * warp + gr + 8 * half, c = cg + 8 * nt + 2 * tq;
         const float2 u = unpack_bf16(*reinterpret_cast<const uint32_t*>(sU + r * LDS + c));
         *reinterpret_cast<uint32_t*>(sD + r * LDS + c) =
             pack_bf16(u.x - accD[nt][2 * half], u.y - accD[nt][2 * half + 1]);
@@ -164,7 +166,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
       for (int np = 0; np < BV / 16; ++np) {
         uint32_t b[4];
-        load_b_kn(b, sD, LDS, 16 * J, 16 * np, lane);
+        load_b_kn(b, sD, LDS, 16 * J, cg + 16 * np, lane);
         mma_bf16(accP[2 * np], a, b[0], b[1]);
         mma_bf16(accP[2 * np + 1], a, b[2], b[3]);
       }
@@ -175,7 +177,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int nt = 0; nt < BV / 8; ++nt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int r = 16 * warp + gr + 8 * half, c = col0 + 8 * nt + 2 * tq;
+        const int r = 16 * warp + gr + 8 * half, c = col0 + cg + 8 * nt + 2 * tq;
         if (r < len)
           *reinterpret_cast<uint32_t*>(x.o + (size_t(tok0 + r) * x.HV + hv) * V + c) =
               pack_bf16(accP[nt][2 * half], accP[nt][2 * half + 1]);
@@ -201,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
         for (int np = 0; np < BV / 16; ++np) {
           uint32_t b[4];
-          load_b_kn(b, sD, LDS, 16 * J, 16 * np, lane);
+          load_b_kn(b, sD, LDS, 16 * J, cg + 16 * np, lane);
           mma_bf16(S[mt][2 * np], a, b[0], b[1]);
           mma_bf16(S[mt][2 * np + 1], a, b[2], b[3]);
         }
@@ -224,18 +226,18 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
-template <int K, int V>
+template <int K, int V, int NT>
 void launch(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, cudaStream_t stream) {
-  using L = StateLayout<K>;
+  using L = StateLayout<K, NT>;
   static const bool configured = [] {
-    check_cuda(cudaFuncSetAttribute(chunk_state_kernel<K, V>,
+    check_cuda(cudaFuncSetAttribute(chunk_state_kernel<K, V, NT>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::total)),
                "chunk_state shared memory limit");
     return true;
   }();
   (void)configured;
-  const dim3 grid(unsigned(V / BV), unsigned(x.HV), unsigned(num_seqs));
-  chunk_state_kernel<K, V><<<grid, kThreads, L::total, stream>>>(x, ws);
+  const dim3 grid(unsigned(V / (NT * BV)), unsigned(x.HV), unsigned(num_seqs));
+  chunk_state_kernel<K, V, NT><<<grid, 128 * NT, L::total, stream>>>(x, ws);
   check_launch("chunk_state kernel");
 }
 
@@ -243,10 +245,20 @@ void launch(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, cu
 
 void launch_chunk_state(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, int K,
                         int V, cudaStream_t stream) {
-  if (K == 128 && V == 128) return launch<128, 128>(x, ws, num_seqs, stream);
-  if (K == 128 && V == 64) return launch<128, 64>(x, ws, num_seqs, stream);
-  if (K == 64 && V == 128) return launch<64, 128>(x, ws, num_seqs, stream);
-  return launch<64, 64>(x, ws, num_seqs, stream);
+  // Two column tiles per block halve the L2 traffic of the shared tiles; one tile per block
+  // when that would leave SMs idle (few sequences x heads, e.g. one long sequence).
+  const bool wide = num_seqs * x.HV * (V / (2 * BV)) >= 2 * 132;
+  if (K == 128 && V == 128)
+    return wide ? launch<128, 128, 2>(x, ws, num_seqs, stream)
+                : launch<128, 128, 1>(x, ws, num_seqs, stream);
+  if (K == 128 && V == 64)
+    return wide ? launch<128, 64, 2>(x, ws, num_seqs, stream)
+                : launch<128, 64, 1>(x, ws, num_seqs, stream);
+  if (K == 64 && V == 128)
+    return wide ? launch<64, 128, 2>(x, ws, num_seqs, stream)
+                : launch<64, 128, 1>(x, ws, num_seqs, stream);
+  return wide ? launch<64, 64, 2>(x, ws, num_seqs, stream)
+              : launch<64, 64, 1>(x, ws, num_seqs, stream);
 }
 
 }  // namespace kda::ops::cuda_detail

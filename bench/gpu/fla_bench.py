@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Time fla's Triton kernels on the shapes kda_gpu_check benchmarks, then print the
+side-by-side table (shape, ours ms, fla ms, ratio, % of floor).
+
+    python3 bench/gpu/fla_bench.py --ours kda_gpu_bench.tsv [--out table.md]
+
+fla is imported from PYTHONPATH (scripts/gpu_run.sh points it at gpu_carry/ when present).
+If fla cannot be imported, only our numbers are printed, and the script says so.
+Timings: triton.testing.do_bench, median, after warm-up; bf16 inputs, H = HV = 32,
+K = V = 128, initial state none, final state returned (forward), states in a 1024-slot fp32
+pool updated in place (KDA decode).
+"""
+import argparse
+import sys
+
+H, K, V = 32, 128, 128
+CHUNK_SHAPES = [(8, 2048), (2, 8192), (1, 65536)]
+DECODE_BATCHES = [1, 16, 64, 128]
+
+
+def read_ours(path):
+    ours, ceilings = {}, {}
+    with open(path) as f:
+        for line in f:
+            parts = line.rstrip("\n").split("\t")
+            if parts[0] == "ceiling":
+                ceilings[parts[1]] = float(parts[2])
+            elif len(parts) == 4:
+                ours[(parts[0], parts[1])] = (float(parts[2]), float(parts[3]))
+    return ours, ceilings
+
+
+def time_fla():
+    import torch
+    import torch.nn.functional as F
+    import triton
+
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd
+    from fla.ops.kda import chunk_kda
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    dev, bf = "cuda", torch.bfloat16
+    results = {}
+
+    def bench(fn):
+        try:
+            return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+        except Exception as e:  # one broken op must not lose the others
+            print(f"fla op failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            return None
+
+    def fmt(x, unit=1.0):
+        return "failed" if x is None else f"{x * unit:.3f}"
+
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for B, T in CHUNK_SHAPES:
+            q = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(bf)
+            k = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(bf)
+            v = torch.randn(B, T, H, V, device=dev, dtype=bf)
+            beta = torch.rand(B, T, H, device=dev, dtype=bf) * 0.8 + 0.1
+            gk = -(torch.rand(B, T, H, K, device=dev) * 0.99 + 0.01).to(bf)
+            g = -(torch.rand(B, T, H, device=dev) * 0.99 + 0.01).to(bf)
+            key = f"{B}x{T}"
+            results[("chunk_fwd_kda", key)] = bench(
+                lambda: chunk_kda(q, k, v, gk, beta, output_final_state=True))
+            del gk
+            results[("chunk_fwd_gdn", key)] = bench(
+                lambda: chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True))
+            print(f"fla chunk {key}: kda {fmt(results[('chunk_fwd_kda', key)])} ms, "
+                  f"gdn {fmt(results[('chunk_fwd_gdn', key)])} ms", flush=True)
+            del q, k, v, beta, g
+            torch.cuda.empty_cache()
+
+        slots_n = 1024
+        pool = torch.zeros(slots_n, H, K, V, device=dev, dtype=torch.float32)
+        for B in DECODE_BATCHES:
+            q = F.normalize(torch.randn(B, 1, H, K, device=dev), dim=-1).to(bf)
+            k = F.normalize(torch.randn(B, 1, H, K, device=dev), dim=-1).to(bf)
+            v = torch.randn(B, 1, H, V, device=dev, dtype=bf)
+            beta = torch.rand(B, 1, H, device=dev, dtype=bf) * 0.8 + 0.1
+            gk = -(torch.rand(B, 1, H, K, device=dev) * 0.49 + 0.01).to(bf)
+            g = -(torch.rand(B, 1, H, device=dev) * 0.49 + 0.01).to(bf)
+            sets = [torch.randperm(slots_n, device=dev)[:B].to(torch.int32) for _ in range(16)]
+            it = [0]
+
+            def kda_step():
+                it[0] += 1
+                fused_recurrent_kda_fwd(q, k, v, gk, beta, scale=K ** -0.5, initial_state=pool,
+                                        inplace_final_state=True,
+                                        ssm_state_indices=sets[it[0] % 16])
+            results[("decode_kda", f"B{B}")] = bench(kda_step)
+            # fla's GDN recurrent kernel has no slot indices: contiguous states in and out
+            h0 = torch.randn(B, H, K, V, device=dev, dtype=torch.float32)
+            results[("decode_gdn", f"B{B}")] = bench(
+                lambda: fused_recurrent_gated_delta_rule_fwd(
+                    q, k, v, g=g, beta=beta, scale=K ** -0.5, initial_state=h0,
+                    output_final_state=True))
+            print(f"fla decode B={B}: kda {fmt(results[('decode_kda', f'B{B}')], 1e3)} us, "
+                  f"gdn {fmt(results[('decode_gdn', f'B{B}')], 1e3)} us", flush=True)
+    return results
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ours", required=True)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    ours, ceilings = read_ours(args.ours)
+    try:
+        fla = time_fla()
+        fla_note = "fla timed in this run"
+    except ImportError as e:
+        fla, fla_note = {}, f"fla NOT timed (import failed: {e}); put fla/ in gpu_carry/"
+    except Exception as e:  # keep our numbers even if fla breaks
+        fla, fla_note = {}, f"fla NOT timed ({type(e).__name__}: {e})"
+
+    lines = [f"copy {ceilings.get('copy_tbs', 0):.2f} TB/s, bf16 GEMM "
+             f"{ceilings.get('gemm_tflops', 0):.0f} TFLOP/s (measured this run); {fla_note}",
+             "",
+             "| op | shape | ours ms | fla ms | ours/fla | % of floor (floor ms) |",
+             "|---|---|---|---|---|---|"]
+    for (op, shape), (ms, floor_ms) in ours.items():
+        f = fla.get((op, shape))
+        fla_s = f"{f:.4f}" if f is not None else "-"
+        ratio = f"{ms / f:.2f}" if f else "-"
+        lines.append(f"| {op} | {shape} | {ms:.4f} | {fla_s} | {ratio} | "
+                     f"{100 * floor_ms / ms:.0f}% ({floor_ms:.4f}) |")
+    table = "\n".join(lines)
+    print("\n" + table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,702 @@
+// kda_gpu_check: correctness of the CUDA delta-rule kernels against the float64 CPU reference,
+// then timings on the production shapes. Run on the GPU machine (scripts/gpu_run.sh).
+//
+//   kda_gpu_check [--check] [--bench] [--out FILE]
+//
+// --check: chunked forward (bf16 tensor-core path and fp32 path), KDA / Gated DeltaNet /
+//   DeltaNet, T = 1, 63, 64, 65, 2047, packed varlen with a length-1 sequence, grouped value
+//   heads, K = V = 64 and 128, initial and final states; decode step by step against the float64
+//   recurrence and against the chunked prefill. Relative RMS error ||x - ref|| / ||ref||.
+// --bench: copy bandwidth and cuBLAS bf16 GEMM ceilings, chunked forward (KDA, GDN) at
+//   H = 32, K = V = 128 for 8x2048, 2x8192, 1x65536, and decode for B = 1, 16, 64, 128.
+//   Results go to FILE as tab-separated lines (read by bench/gpu/fla_bench.py).
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/random.h"
+#include "ops/common/sequences.h"
+#include "ops/delta_rule/cuda/delta_rule_cuda.h"
+#include "ops/delta_rule/delta_rule.h"
+
+using namespace kda;
+using namespace kda::ops;
+using kda::ops::cuda::ElementType;
+
+namespace {
+
+void ck(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// A device buffer that frees itself.
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t n) : bytes(n) {
+    if (n) ck(cudaMalloc(&ptr, n), "cudaMalloc");
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr(o.ptr), bytes(o.bytes) { o.ptr = nullptr; }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    std::swap(ptr, o.ptr);
+    std::swap(bytes, o.bytes);
+    return *this;
+  }
+  ~DeviceBuffer() {
+    if (ptr) cudaFree(ptr);
+  }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(ptr);
+  }
+};
+
+// Host values in float, stored on the device as bf16 or fp32; `rounded` is what the device
+// sees, widened to double for the reference.
+struct HostTensor {
+  std::vector<float> values;
+  std::vector<double> rounded;
+  DeviceBuffer device;
+};
+
+HostTensor upload(std::vector<float> v, ElementType t) {
+  HostTensor h;
+  h.rounded.resize(v.size());
+  if (t == ElementType::bf16) {
+    std::vector<uint16_t> bits(v.size());
+    for (size_t i = 0; i < v.size(); ++i) {
+      bits[i] = f32_to_bf16(v[i]);
+      h.rounded[i] = bf16_to_f32(bits[i]);
+    }
+    h.device = DeviceBuffer(bits.size() * 2);
+    ck(cudaMemcpy(h.device.ptr, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice), "upload");
+  } else {
+    for (size_t i = 0; i < v.size(); ++i) h.rounded[i] = v[i];
+    h.device = DeviceBuffer(v.size() * 4);
+    ck(cudaMemcpy(h.device.ptr, v.data(), v.size() * 4, cudaMemcpyHostToDevice), "upload");
+  }
+  h.values = std::move(v);
+  return h;
+}
+
+std::vector<double> download(const void* dev, size_t n, ElementType t) {
+  std::vector<double> out(n);
+  if (t == ElementType::bf16) {
+    std::vector<uint16_t> bits(n);
+    ck(cudaMemcpy(bits.data(), dev, n * 2, cudaMemcpyDeviceToHost), "download");
+    for (size_t i = 0; i < n; ++i) out[i] = bf16_to_f32(bits[i]);
+  } else {
+    std::vector<float> f(n);
+    ck(cudaMemcpy(f.data(), dev, n * 4, cudaMemcpyDeviceToHost), "download");
+    for (size_t i = 0; i < n; ++i) out[i] = f[i];
+  }
+  return out;
+}
+
+// NaN bytes (0xFF..) so unwritten outputs show up.
+void poison(const DeviceBuffer& b) {
+  ck(cudaMemset(b.ptr, 0xFF, b.bytes), "poison");
+}
+
+double rel_rms(const std::vector<double>& x, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (!std::isfinite(x[i])) return INFINITY;
+    num += (x[i] - ref[i]) * (x[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+// Random inputs for one job: unit-norm q, k rows; log-sigmoid gates; sigmoid betas.
+struct Inputs {
+  DeltaRuleShape shape;
+  std::vector<int64_t> cu;
+  int64_t N = 0, tokens = 0;
+  std::vector<float> q, k, v, g, beta, h0;
+};
+
+Inputs make_inputs(const DeltaRuleShape& s, std::vector<int64_t> cu, bool with_h0, uint64_t seed,
+                   bool strong_gates = false) {
+  Inputs in;
+  in.shape = s;
+  in.cu = std::move(cu);
+  in.N = in.cu.empty() ? s.B : int64_t(in.cu.size()) - 1;
+  in.tokens = s.B * s.T;
+  Random rng(seed);
+  auto normal = [&](size_t n) {
+    std::vector<float> x(n);
+    rng.fill_normal(x);
+    return x;
+  };
+  in.q = normal(in.tokens * s.H * s.K);
+  in.k = normal(in.tokens * s.H * s.K);
+  for (auto* x : {&in.q, &in.k})
+    for (int64_t r = 0; r < in.tokens * s.H; ++r) {
+      float* row = x->data() + r * s.K;
+      double n2 = 0;
+      for (int64_t c = 0; c < s.K; ++c) n2 += double(row[c]) * row[c];
+      const float inv = float(1.0 / std::sqrt(std::max(n2, 1e-12)));
+      for (int64_t c = 0; c < s.K; ++c) row[c] *= inv;
+    }
+  in.v = normal(in.tokens * s.HV * s.V);
+  if (s.gate != Gate::none) {
+    in.g.resize(in.tokens * s.HV * s.gate_width());
+    for (float& x : in.g) {
+      const float z = rng.normal();
+      // strong: fla's lower-bound gate, -5 * sigmoid(z) in [-5, 0]; else log(sigmoid(1 + 2z))
+      x = strong_gates ? -5.f / (1.f + std::exp(-2.f * z))
+                       : -std::log1p(std::exp(-(1.f + 2.f * z)));
+    }
+  }
+  in.beta.resize(in.tokens * s.HV);
+  for (float& x : in.beta) x = 1.f / (1.f + std::exp(-rng.normal()));
+  if (with_h0) {
+    in.h0 = normal(in.N * s.HV * s.K * s.V);
+    for (float& x : in.h0) x *= 0.5f;
+  }
+  return in;
+}
+
+struct Reference {
+  std::vector<double> o, ht;
+};
+
+Reference reference(const Inputs& in, const std::vector<double>& q, const std::vector<double>& k,
+                    const std::vector<double>& v, const std::vector<double>& g,
+                    const std::vector<double>& beta, const std::vector<double>& h0) {
+  const DeltaRuleShape& s = in.shape;
+  Reference r;
+  r.o.resize(in.tokens * s.HV * s.V);
+  r.ht.resize(in.N * s.HV * s.K * s.V);
+  DeltaRuleInputs<double> x{s,
+                            q.data(),
+                            k.data(),
+                            v.data(),
+                            g.empty() ? nullptr : g.data(),
+                            beta.data(),
+                            h0.empty() ? nullptr : h0.data(),
+                            in.cu};
+  delta_rule_reference(x, r.o.data(), r.ht.data());
+  return r;
+}
+
+int g_failures = 0;
+
+void report(const std::string& name, const char* what, double err, double tol) {
+  const bool ok = err <= tol;  // NaN / inf fail
+  if (!ok) ++g_failures;
+  std::printf("CHECK %-48s %-3s rel_rms %.3e  tol %.0e  %s\n", name.c_str(), what, err, tol,
+              ok ? "PASS" : "FAIL");
+  std::fflush(stdout);
+}
+
+struct Uploaded {
+  HostTensor q, k, v, g, beta;
+  DeviceBuffer h0;
+  std::vector<double> h0_rounded;
+};
+
+Uploaded upload_all(const Inputs& in, ElementType t) {
+  Uploaded u;
+  u.q = upload(in.q, t);
+  u.k = upload(in.k, t);
+  u.v = upload(in.v, t);
+  if (!in.g.empty()) u.g = upload(in.g, t);
+  u.beta = upload(in.beta, t);
+  if (!in.h0.empty()) {
+    u.h0 = DeviceBuffer(in.h0.size() * 4);
+    ck(cudaMemcpy(u.h0.ptr, in.h0.data(), in.h0.size() * 4, cudaMemcpyHostToDevice), "h0");
+    u.h0_rounded.assign(in.h0.begin(), in.h0.end());
+  }
+  return u;
+}
+
+cuda::DeltaRuleDeviceInputs device_inputs(const Inputs& in, const Uploaded& u, ElementType t) {
+  cuda::DeltaRuleDeviceInputs d;
+  d.shape = in.shape;
+  d.dtype = t;
+  d.q = u.q.device.ptr;
+  d.k = u.k.device.ptr;
+  d.v = u.v.device.ptr;
+  d.g = in.g.empty() ? nullptr : u.g.device.ptr;
+  d.beta = u.beta.device.ptr;
+  d.h0 = in.h0.empty() ? nullptr : u.h0.as<float>();
+  d.cu_seqlens = in.cu;
+  return d;
+}
+
+struct ForwardResult {
+  std::vector<double> o, ht;
+};
+
+ForwardResult run_forward(const Inputs& in, const Uploaded& u, ElementType t, bool recurrent) {
+  const DeltaRuleShape& s = in.shape;
+  const size_t esize = t == ElementType::bf16 ? 2 : 4;
+  DeviceBuffer o(in.tokens * s.HV * s.V * esize), ht(in.N * s.HV * s.K * s.V * 4);
+  poison(o);
+  poison(ht);
+  const auto d = device_inputs(in, u, t);
+  const size_t ws_bytes = recurrent ? cuda::recurrent_forward_workspace_bytes(in.cu)
+                                    : cuda::chunk_forward_workspace_bytes(s, in.cu);
+  DeviceBuffer ws(ws_bytes);
+  if (ws_bytes) poison(ws);
+  if (recurrent)
+    cuda::recurrent_forward(d, o.ptr, ht.as<float>(), ws.ptr, ws_bytes, nullptr);
+  else
+    cuda::chunk_forward(d, o.ptr, ht.as<float>(), ws.ptr, ws_bytes, nullptr);
+  ck(cudaDeviceSynchronize(), "forward");
+  return {download(o.ptr, in.tokens * s.HV * s.V, t),
+          download(ht.ptr, in.N * s.HV * s.K * s.V, ElementType::f32)};
+}
+
+const char* gate_name(Gate g) {
+  return g == Gate::channel ? "kda" : g == Gate::scalar ? "gdn" : "delta";
+}
+
+void check_forward(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V,
+                   std::vector<int64_t> cu, bool with_h0, ElementType t, bool recurrent,
+                   uint64_t seed, bool strong = false) {
+  DeltaRuleShape s{B, T, H, HV, K, V, gate, 0};
+  const Inputs in = make_inputs(s, cu, with_h0, seed, strong);
+  const Uploaded u = upload_all(in, t);
+  const Reference ref =
+      reference(in, u.q.rounded, u.k.rounded, u.v.rounded,
+                in.g.empty() ? std::vector<double>{} : u.g.rounded, u.beta.rounded, u.h0_rounded);
+  const ForwardResult got = run_forward(in, u, t, recurrent);
+  char name[160];
+  std::snprintf(name, sizeof name, "%s %s %s B%lld T%lld H%lld HV%lld K%lld V%lld%s%s%s",
+                recurrent ? "recurrent" : "chunk", gate_name(gate),
+                t == ElementType::bf16 ? "bf16" : "fp32", (long long)B, (long long)T, (long long)H,
+                (long long)HV, (long long)K, (long long)V, cu.empty() ? "" : " varlen",
+                with_h0 ? " h0" : "", strong ? " strong-g" : "");
+  const double tol = t == ElementType::bf16 ? 5e-3 : 1e-4;
+  report(name, "o", rel_rms(got.o, ref.o), tol);
+  report(name, "ht", rel_rms(got.ht, ref.ht), tol);
+}
+
+// Prefill (chunked) the prompts into scattered slots of a pool, decode D tokens step by step,
+// compare against the float64 recurrence and against one chunked pass over prompt + decoded.
+void check_decode(Gate gate, int64_t H, int64_t HV, int64_t K, int64_t V, ElementType t,
+                  uint64_t seed) {
+  const std::vector<int64_t> prompt = {1, 63, 64, 130, 7};
+  const int64_t N = int64_t(prompt.size()), D = 4;
+  std::vector<int64_t> cu_full = {0}, cu_prompt = {0};
+  for (int64_t p : prompt) cu_full.push_back(cu_full.back() + p + D);
+  for (int64_t p : prompt) cu_prompt.push_back(cu_prompt.back() + p);
+  const int64_t T_full = cu_full.back();
+  DeltaRuleShape s{1, T_full, H, HV, K, V, gate, 0};
+  const Inputs full = make_inputs(s, cu_full, true, seed);
+  const Uploaded uf = upload_all(full, t);
+  const Reference ref = reference(full, uf.q.rounded, uf.k.rounded, uf.v.rounded,
+                                  full.g.empty() ? std::vector<double>{} : uf.g.rounded,
+                                  uf.beta.rounded, uf.h0_rounded);
+  const ForwardResult chunk_full = run_forward(full, uf, t, t == ElementType::f32);
+
+  // The prompts alone: gather their tokens out of the full packing.
+  const int64_t gw = s.gate_width();
+  Inputs pr = full;
+  pr.shape.T = cu_prompt.back();
+  pr.cu = cu_prompt;
+  pr.tokens = pr.shape.T;
+  // The first `count` tokens of each sequence of the full packing.
+  auto gather = [&](const std::vector<float>& src, int64_t width) {
+    std::vector<float> out;
+    for (int64_t n = 0; n < N; ++n)
+      out.insert(out.end(), src.begin() + cu_full[n] * width,
+                 src.begin() + (cu_full[n] + prompt[n]) * width);
+    return out;
+  };
+  pr.q = gather(full.q, H * K);
+  pr.k = gather(full.k, H * K);
+  pr.v = gather(full.v, HV * V);
+  if (gw) pr.g = gather(full.g, HV * gw);
+  pr.beta = gather(full.beta, HV);
+  const Uploaded up = upload_all(pr, t);
+  const ForwardResult chunk_prompt = run_forward(pr, up, t, t == ElementType::f32);
+
+  // Pool of 3N slots filled with noise; sequence n lives in slot 3n + 1 (scrambled order).
+  const int64_t slots_n = 3 * N, state = HV * K * V;
+  std::vector<float> pool_host(slots_n * state);
+  Random rng(seed + 99);
+  rng.fill_normal(pool_host);
+  std::vector<int32_t> slot(N);
+  for (int64_t n = 0; n < N; ++n) slot[n] = int32_t(3 * ((n * 2 + 1) % N) + 1);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t i = 0; i < state; ++i)
+      pool_host[slot[n] * state + i] = float(chunk_prompt.ht[n * state + i]);
+  DeviceBuffer pool(pool_host.size() * 4), slots_dev(N * 4);
+  ck(cudaMemcpy(pool.ptr, pool_host.data(), pool.bytes, cudaMemcpyHostToDevice), "pool");
+  ck(cudaMemcpy(slots_dev.ptr, slot.data(), N * 4, cudaMemcpyHostToDevice), "slots");
+
+  std::vector<double> dec_o, ref_o, chunk_o;
+  for (int64_t d = 0; d < D; ++d) {
+    auto step = [&](const std::vector<float>& src, int64_t width) {
+      std::vector<float> out;
+      for (int64_t n = 0; n < N; ++n) {
+        const int64_t tok = cu_full[n] + prompt[n] + d;
+        out.insert(out.end(), src.begin() + tok * width, src.begin() + (tok + 1) * width);
+      }
+      return out;
+    };
+    const HostTensor q = upload(step(full.q, H * K), t), k = upload(step(full.k, H * K), t),
+                     v = upload(step(full.v, HV * V), t), beta = upload(step(full.beta, HV), t);
+    HostTensor g;
+    if (gw) g = upload(step(full.g, HV * gw), t);
+    const size_t esize = t == ElementType::bf16 ? 2 : 4;
+    DeviceBuffer o(N * HV * V * esize);
+    poison(o);
+    cuda::DecodeArgs a;
+    a.shape = DeltaRuleShape{N, 1, H, HV, K, V, gate, 0};
+    a.dtype = t;
+    a.q = q.device.ptr, a.k = k.device.ptr, a.v = v.device.ptr;
+    a.g = gw ? g.device.ptr : nullptr;
+    a.beta = beta.device.ptr;
+    a.state_pool = pool.as<float>();
+    a.slots = slots_dev.as<int32_t>();
+    a.num_slots = slots_n;
+    a.o = o.ptr;
+    cuda::decode_step(a, nullptr);
+    ck(cudaDeviceSynchronize(), "decode");
+    const auto od = download(o.ptr, N * HV * V, t);
+    dec_o.insert(dec_o.end(), od.begin(), od.end());
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t tok = cu_full[n] + prompt[n] + d;
+      ref_o.insert(ref_o.end(), ref.o.begin() + tok * HV * V, ref.o.begin() + (tok + 1) * HV * V);
+      chunk_o.insert(chunk_o.end(), chunk_full.o.begin() + tok * HV * V,
+                     chunk_full.o.begin() + (tok + 1) * HV * V);
+    }
+  }
+  const auto pool_after = download(pool.ptr, slots_n * state, ElementType::f32);
+  std::vector<double> dec_ht, untouched_now, untouched_before;
+  for (int64_t n = 0; n < N; ++n)
+    dec_ht.insert(dec_ht.end(), pool_after.begin() + slot[n] * state,
+                  pool_after.begin() + (slot[n] + 1) * state);
+  for (int64_t sl = 0; sl < slots_n; ++sl) {
+    if (std::find(slot.begin(), slot.end(), int32_t(sl)) != slot.end()) continue;
+    untouched_now.insert(untouched_now.end(), pool_after.begin() + sl * state,
+                         pool_after.begin() + (sl + 1) * state);
+    untouched_before.insert(untouched_before.end(), pool_host.begin() + sl * state,
+                            pool_host.begin() + (sl + 1) * state);
+  }
+  char name[160];
+  std::snprintf(name, sizeof name, "decode %s %s H%lld HV%lld K%lld V%lld x%lld steps",
+                gate_name(gate), t == ElementType::bf16 ? "bf16" : "fp32", (long long)H,
+                (long long)HV, (long long)K, (long long)V, (long long)D);
+  const double tol = t == ElementType::bf16 ? 5e-3 : 1e-4;
+  report(std::string(name) + " vs f64", "o", rel_rms(dec_o, ref_o), tol);
+  report(std::string(name) + " vs f64", "ht", rel_rms(dec_ht, ref.ht), tol);
+  report(std::string(name) + " vs chunk", "o", rel_rms(dec_o, chunk_o), tol);
+  report(std::string(name) + " vs chunk", "ht", rel_rms(dec_ht, chunk_full.ht), tol);
+  report(std::string(name) + " other slots", "==", rel_rms(untouched_now, untouched_before), 0.0);
+}
+
+void run_checks() {
+  const auto bf = ElementType::bf16, f32 = ElementType::f32;
+  uint64_t seed = 1000;
+  const std::vector<int64_t> varlen = {0, 1, 64, 129, 200, 521};  // includes a length-1 sequence
+  for (Gate gate : {Gate::channel, Gate::scalar}) {
+    for (int64_t T : {1, 63, 64, 65})
+      check_forward(gate, 2, T, 2, 4, 128, 128, {}, T != 64, bf, false, ++seed);
+    check_forward(gate, 1, 2047, 2, 2, 128, 128, {}, true, bf, false, ++seed);
+    check_forward(gate, 1, 521, 1, 2, 64, 64, varlen, true, bf, false, ++seed);
+    check_forward(gate, 1, 521, 2, 4, 128, 128, varlen, false, bf, false, ++seed);
+    check_forward(gate, 2, 300, 2, 4, 64, 128, {}, true, bf, false, ++seed);
+    check_forward(gate, 1, 1000, 2, 2, 128, 128, {}, true, bf, false, ++seed, true);
+    // fp32 inputs: the fp32 recurrent path (1e-4)
+    check_forward(gate, 2, 65, 2, 4, 128, 128, {}, true, f32, false, ++seed);
+    check_forward(gate, 1, 2047, 1, 2, 64, 64, {}, true, f32, false, ++seed);
+    check_forward(gate, 1, 521, 2, 4, 128, 128, varlen, true, f32, false, ++seed);
+    check_decode(gate, 2, 4, 128, 128, bf, ++seed);
+    check_decode(gate, 2, 4, 64, 64, f32, ++seed);
+  }
+  check_forward(Gate::none, 2, 130, 2, 2, 128, 128, {}, true, bf, false, ++seed);
+  check_forward(Gate::none, 2, 130, 2, 2, 64, 64, {}, true, f32, false, ++seed);
+}
+
+// ---------------------------------------------------------------- benchmarks
+
+struct Timer {
+  // Median over `reps` samples of the time (ms) of `batch` back-to-back calls fn(i), divided by
+  // `batch`, after `warm` untimed calls. All samples are queued before any is read, so the GPU
+  // never waits for the host between them (as triton.testing.do_bench does).
+  template <class F>
+  double median_ms(F&& fn, int warm, int reps, int batch = 1) {
+    for (int i = 0; i < warm; ++i) fn(i);
+    ck(cudaDeviceSynchronize(), "warm-up");
+    std::vector<cudaEvent_t> ev(2 * reps);
+    for (auto& e : ev) ck(cudaEventCreate(&e), "event");
+    int call = warm;
+    for (int i = 0; i < reps; ++i) {
+      ck(cudaEventRecord(ev[2 * i]), "record");
+      for (int j = 0; j < batch; ++j) fn(call++);
+      ck(cudaEventRecord(ev[2 * i + 1]), "record");
+    }
+    ck(cudaDeviceSynchronize(), "timed calls");
+    std::vector<double> ms;
+    for (int i = 0; i < reps; ++i) {
+      float t = 0;
+      ck(cudaEventElapsedTime(&t, ev[2 * i], ev[2 * i + 1]), "elapsed");
+      ms.push_back(t / batch);
+    }
+    for (auto& e : ev) cudaEventDestroy(e);
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
+  }
+};
+
+// Fills n bf16 values with uniform(lo, hi) noise (rows of `row` values normalised to unit
+// length when asked): a 4M-value random block made on the host, repeated on the device (the
+// benchmarks stream far more than the L2, so repetition does not help the cache).
+void fill_device_random_bf16(const DeviceBuffer& b, size_t n, uint64_t seed, float lo, float hi,
+                             bool normalize_rows = false, int row = 0) {
+  const size_t unit = std::max<size_t>(row, 1);
+  const size_t block = std::min(n, (size_t(1) << 22) / unit * unit);
+  std::vector<uint16_t> h(block);
+  Random rng(seed);
+  for (size_t i = 0; i < block; ++i) h[i] = f32_to_bf16(rng.uniform(lo, hi));
+  if (normalize_rows) {
+    for (size_t r = 0; r < block / row; ++r) {
+      double n2 = 0;
+      for (int c = 0; c < row; ++c) {
+        const double x = bf16_to_f32(h[r * row + c]);
+        n2 += x * x;
+      }
+      const double inv = 1.0 / std::sqrt(std::max(n2, 1e-12));
+      for (int c = 0; c < row; ++c)
+        h[r * row + c] = f32_to_bf16(float(bf16_to_f32(h[r * row + c]) * inv));
+    }
+  }
+  uint16_t* dst = b.as<uint16_t>();
+  ck(cudaMemcpy(dst, h.data(), block * 2, cudaMemcpyHostToDevice), "fill");
+  for (size_t done = block; done < n;) {
+    const size_t cnt = std::min(done, n - done);
+    ck(cudaMemcpy(dst + done, dst, cnt * 2, cudaMemcpyDeviceToDevice), "fill");
+    done += cnt;
+  }
+}
+
+// Two chunked forwards (KDA, 8 x 2048, H = 32) and two decode steps (B = 16), for ncu.
+void run_profile() {
+  DeltaRuleShape s{8, 2048, 32, 32, 128, 128, Gate::channel, 0};
+  const size_t tokens = 8 * 2048, H = 32, K = 128, V = 128;
+  DeviceBuffer q(tokens * H * K * 2), k(tokens * H * K * 2), v(tokens * H * V * 2),
+      g(tokens * H * K * 2), beta(tokens * H * 2), o(tokens * H * V * 2), ht(8 * H * K * V * 4);
+  fill_device_random_bf16(q, tokens * H * K, 11, -1, 1, true, int(K));
+  fill_device_random_bf16(k, tokens * H * K, 12, -1, 1, true, int(K));
+  fill_device_random_bf16(v, tokens * H * V, 13, -1, 1);
+  fill_device_random_bf16(g, tokens * H * K, 14, -1.0f, -0.01f);
+  fill_device_random_bf16(beta, tokens * H, 15, 0.1f, 0.9f);
+  cuda::DeltaRuleDeviceInputs d;
+  d.shape = s;
+  d.q = q.ptr, d.k = k.ptr, d.v = v.ptr, d.g = g.ptr, d.beta = beta.ptr;
+  const size_t ws_bytes = cuda::chunk_forward_workspace_bytes(s, {});
+  DeviceBuffer ws(ws_bytes);
+  for (int i = 0; i < 2; ++i)
+    cuda::chunk_forward(d, o.ptr, ht.as<float>(), ws.ptr, ws_bytes, nullptr);
+  const int64_t B = 16;
+  DeviceBuffer pool(size_t(1024) * H * K * V * 4), slots(B * 4);
+  std::vector<int32_t> sl(B);
+  for (int64_t b = 0; b < B; ++b) sl[b] = int32_t(b * 61 % 1024);
+  ck(cudaMemcpy(slots.ptr, sl.data(), B * 4, cudaMemcpyHostToDevice), "slots");
+  cuda::DecodeArgs a;
+  a.shape = DeltaRuleShape{B, 1, 32, 32, 128, 128, Gate::channel, 0};
+  a.q = q.ptr, a.k = k.ptr, a.v = v.ptr, a.g = g.ptr, a.beta = beta.ptr, a.o = o.ptr;
+  a.state_pool = pool.as<float>();
+  a.slots = slots.as<int32_t>();
+  a.num_slots = 1024;
+  for (int i = 0; i < 2; ++i) cuda::decode_step(a, nullptr);
+  ck(cudaDeviceSynchronize(), "profile");
+}
+
+void run_bench(const std::string& out_path) {
+  std::ofstream out(out_path);
+  Timer timer;
+  cudaDeviceProp prop{};
+  ck(cudaGetDeviceProperties(&prop, 0), "props");
+  std::printf("BENCH device %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount,
+              prop.l2CacheSize >> 20);
+
+  // Ceilings: device-to-device copy (bytes read + written) and a cuBLAS bf16 GEMM.
+  double copy_tbs = 0, gemm_tflops = 0;
+  {
+    const size_t bytes = size_t(2) << 30;
+    DeviceBuffer a(bytes), b(bytes);
+    ck(cudaMemset(a.ptr, 1, bytes), "memset");
+    const double ms = timer.median_ms(
+        [&](int) { ck(cudaMemcpyAsync(b.ptr, a.ptr, bytes, cudaMemcpyDeviceToDevice), "copy"); }, 3,
+        20);
+    copy_tbs = 2.0 * bytes / (ms * 1e-3) / 1e12;
+  }
+  {
+    const int n = 8192;
+    DeviceBuffer a(size_t(n) * n * 2), b(size_t(n) * n * 2), c(size_t(n) * n * 2);
+    fill_device_random_bf16(a, size_t(n) * n, 1, -1, 1);
+    fill_device_random_bf16(b, size_t(n) * n, 2, -1, 1);
+    cublasHandle_t h;
+    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) throw Error("cublasCreate failed");
+    const float one = 1, zero = 0;
+    const double ms = timer.median_ms(
+        [&](int) {
+          if (cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a.ptr, CUDA_R_16BF, n, b.ptr,
+                           CUDA_R_16BF, n, &zero, c.ptr, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+                           CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
+            throw Error("cublasGemmEx failed");
+        },
+        3, 10);
+    cublasDestroy(h);
+    gemm_tflops = 2.0 * n * double(n) * n / (ms * 1e-3) / 1e12;
+  }
+  std::printf("BENCH ceilings: copy %.2f TB/s (read+write), bf16 GEMM %.0f TFLOP/s\n", copy_tbs,
+              gemm_tflops);
+  out << "ceiling\tcopy_tbs\t" << copy_tbs << "\n";
+  out << "ceiling\tgemm_tflops\t" << gemm_tflops << "\n";
+
+  const int64_t H = 32, K = 128, V = 128;
+  struct Shape {
+    int64_t B, T;
+  };
+  for (Gate gate : {Gate::channel, Gate::scalar}) {
+    for (Shape sh : {Shape{8, 2048}, Shape{2, 8192}, Shape{1, 65536}}) {
+      DeltaRuleShape s{sh.B, sh.T, H, H, K, V, gate, 0};
+      const size_t tokens = size_t(sh.B * sh.T), gw = size_t(s.gate_width());
+      DeviceBuffer q(tokens * H * K * 2), k(tokens * H * K * 2), v(tokens * H * V * 2),
+          g(tokens * H * gw * 2), beta(tokens * H * 2), o(tokens * H * V * 2),
+          ht(size_t(sh.B) * H * K * V * 4);
+      fill_device_random_bf16(q, tokens * H * K, 11, -1, 1, true, int(K));
+      fill_device_random_bf16(k, tokens * H * K, 12, -1, 1, true, int(K));
+      fill_device_random_bf16(v, tokens * H * V, 13, -1, 1);
+      fill_device_random_bf16(g, tokens * H * gw, 14, -1.0f, -0.01f);
+      fill_device_random_bf16(beta, tokens * H, 15, 0.1f, 0.9f);
+      cuda::DeltaRuleDeviceInputs d;
+      d.shape = s;
+      d.q = q.ptr, d.k = k.ptr, d.v = v.ptr, d.g = g.ptr, d.beta = beta.ptr;
+      const size_t ws_bytes = cuda::chunk_forward_workspace_bytes(s, {});
+      DeviceBuffer ws(ws_bytes);
+      auto call = [&](int) {
+        cuda::chunk_forward(d, o.ptr, ht.as<float>(), ws.ptr, ws_bytes, nullptr);
+      };
+      const double ms = timer.median_ms(call, 3, 15);
+      setenv("KDA_CHUNK_STAGES", "prepare", 1);
+      const double prepare_ms = timer.median_ms(call, 2, 10);
+      setenv("KDA_CHUNK_STAGES", "state", 1);
+      const double state_ms = timer.median_ms(call, 2, 10);
+      unsetenv("KDA_CHUNK_STAGES");
+      // Floors: each input read once, o and ht written once; FLOPs of the chunked algorithm.
+      const double bytes = double(tokens) * H * (2 * K * 2 + V * 2 + gw * 2 + 2 + V * 2) +
+                           double(sh.B) * H * K * V * 4;
+      const double flops = delta_rule_chunk_forward_flops_per_token(s) * double(tokens);
+      const double floor_ms =
+          std::max(bytes / (copy_tbs * 1e12), flops / (gemm_tflops * 1e12)) * 1e3;
+      std::printf(
+          "BENCH chunk_fwd %s %lldx%lld: %.3f ms (prepare %.3f + state %.3f) floor %.3f ms: %.0f "
+          "MB, %.1f GFLOP\n",
+          gate_name(gate), (long long)sh.B, (long long)sh.T, ms, prepare_ms, state_ms, floor_ms,
+          bytes / 1e6, flops / 1e9);
+      std::fflush(stdout);
+      out << "chunk_fwd_" << gate_name(gate) << "\t" << sh.B << "x" << sh.T << "\t" << ms << "\t"
+          << floor_ms << "\n";
+    }
+  }
+
+  // Decode: pool of 1024 slots (2 GiB at H = 32), each rep uses a different random set of slots.
+  for (Gate gate : {Gate::channel, Gate::scalar}) {
+    const int64_t slots_n = 1024;
+    DeviceBuffer pool(size_t(slots_n) * H * K * V * 4);
+    ck(cudaMemset(pool.ptr, 0, pool.bytes), "pool");
+    for (int64_t B : {1, 16, 64, 128}) {
+      const int sets = 16;
+      std::vector<int32_t> slots(size_t(sets) * B);
+      Random rng(77 + B);
+      for (int si = 0; si < sets; ++si) {
+        std::vector<int32_t> perm(slots_n);
+        std::iota(perm.begin(), perm.end(), 0);
+        std::shuffle(perm.begin(), perm.end(), rng.engine());
+        std::copy(perm.begin(), perm.begin() + B, slots.begin() + size_t(si) * B);
+      }
+      DeviceBuffer slots_dev(slots.size() * 4);
+      ck(cudaMemcpy(slots_dev.ptr, slots.data(), slots_dev.bytes, cudaMemcpyHostToDevice), "slots");
+      const size_t gw = gate == Gate::channel ? K : 1;
+      DeviceBuffer q(B * H * K * 2), k(B * H * K * 2), v(B * H * V * 2), g(B * H * gw * 2),
+          beta(B * H * 2), o(B * H * V * 2);
+      fill_device_random_bf16(q, B * H * K, 21, -1, 1, true, int(K));
+      fill_device_random_bf16(k, B * H * K, 22, -1, 1, true, int(K));
+      fill_device_random_bf16(v, B * H * V, 23, -1, 1);
+      fill_device_random_bf16(g, B * H * gw, 24, -0.5f, -0.01f);
+      fill_device_random_bf16(beta, B * H, 25, 0.1f, 0.9f);
+      cuda::DecodeArgs a;
+      a.shape = DeltaRuleShape{B, 1, H, H, K, V, gate, 0};
+      a.q = q.ptr, a.k = k.ptr, a.v = v.ptr, a.g = g.ptr, a.beta = beta.ptr, a.o = o.ptr;
+      a.state_pool = pool.as<float>();
+      a.num_slots = slots_n;
+      const double ms = timer.median_ms(
+          [&](int rep) {
+            a.slots = slots_dev.as<int32_t>() + size_t(rep % sets) * B;
+            cuda::decode_step(a, nullptr);
+          },
+          5, 30, 10);
+      const double bytes = 2.0 * double(B) * H * K * V * 4;
+      const double tbs = bytes / (ms * 1e-3) / 1e12;
+      std::printf("BENCH decode %s B=%lld: %.4f ms, state %.2f TB/s = %.0f%% of copy\n",
+                  gate_name(gate), (long long)B, ms, tbs, 100 * tbs / copy_tbs);
+      std::fflush(stdout);
+      out << "decode_" << gate_name(gate) << "\tB" << B << "\t" << ms << "\t"
+          << bytes / (copy_tbs * 1e12) * 1e3 << "\n";
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool check = false, bench = false, profile = false;
+  std::string out_path = "kda_gpu_bench.tsv";
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--check")
+      check = true;
+    else if (a == "--bench")
+      bench = true;
+    else if (a == "--profile")
+      profile = true;
+    else if (a == "--out" && i + 1 < argc)
+      out_path = argv[++i];
+    else {
+      std::fprintf(stderr, "usage: kda_gpu_check [--check] [--bench] [--out FILE]\n");
+      return 2;
+    }
+  }
+  if (!check && !bench && !profile) check = bench = true;
+  try {
+    int devices = 0;
+    ck(cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
+    if (check) {
+      const auto t0 = std::chrono::steady_clock::now();
+      run_checks();
+      const double sec =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::printf("CHECK summary: %d failure(s), %.1f s\n", g_failures, sec);
+    }
+    if (bench) run_bench(out_path);
+    if (profile) run_profile();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kda_gpu_check: %s\n", e.what());
+    return 1;
+  }
+  return g_failures ? 1 : 0;
+}
