@@ -1,0 +1,97 @@
+#include "train/layers.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/blas.h"
+
+namespace kda::train {
+
+void linear_forward(const float* x, int64_t rows, int64_t in, const float* W, int64_t out,
+                    float* y) {
+  gemm_nt(int(rows), int(out), int(in), 1.0f, x, int(in), W, int(in), 0.0f, y, int(out));
+}
+
+void linear_backward(const float* x, const float* dy, int64_t rows, int64_t in, const float* W,
+                     int64_t out, float* dx, float* dW, bool accumulate_dx) {
+  if (dx) {
+    gemm_nn(int(rows), int(in), int(out), 1.0f, dy, int(out), W, int(in),
+            accumulate_dx ? 1.0f : 0.0f, dx, int(in));
+  }
+  gemm_tn(int(out), int(in), int(rows), 1.0f, dy, int(out), x, int(in), 1.0f, dW, int(in));
+}
+
+void rms_norm_forward(const float* x, int64_t rows, int64_t D, const float* w, float eps, float* y,
+                      float* inv_rms) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * D;
+    double ss = 0;
+    for (int64_t i = 0; i < D; ++i) ss += double(xr[i]) * xr[i];
+    const float inv = float(1.0 / std::sqrt(ss / double(D) + eps));
+    inv_rms[r] = inv;
+    for (int64_t i = 0; i < D; ++i) y[r * D + i] = xr[i] * inv * w[i];
+  }
+}
+
+void rms_norm_backward(const float* x, const float* dy, int64_t rows, int64_t D, const float* w,
+                       const float* inv_rms, float* dx, float* dw) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * D;
+    const float* dyr = dy + r * D;
+    const float inv = inv_rms[r];
+    double dot = 0;  // sum_i dy_i w_i x_i
+    for (int64_t i = 0; i < D; ++i) {
+      dot += double(dyr[i]) * w[i] * xr[i];
+      dw[i] += dyr[i] * xr[i] * inv;
+    }
+    const float c = float(dot / double(D)) * inv * inv * inv;
+    for (int64_t i = 0; i < D; ++i) dx[r * D + i] = dyr[i] * w[i] * inv - xr[i] * c;
+  }
+}
+
+void swiglu_forward(const float* a, const float* b, int64_t n, float* h) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float s = 1.0f / (1.0f + std::exp(-a[i]));
+    h[i] = a[i] * s * b[i];
+  }
+}
+
+void swiglu_backward(const float* a, const float* b, const float* dh, int64_t n, float* da,
+                     float* db) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float s = 1.0f / (1.0f + std::exp(-a[i]));
+    const float silu = a[i] * s;
+    db[i] = dh[i] * silu;
+    da[i] = dh[i] * b[i] * s * (1.0f + a[i] * (1.0f - s));
+  }
+}
+
+double cross_entropy(const float* logits, const int32_t* targets, int64_t rows, int64_t vocab,
+                     float* dlogits, int64_t* scored, int64_t* correct) {
+  int64_t n = 0, hits = 0;
+  for (int64_t r = 0; r < rows; ++r) n += targets[r] >= 0;
+  double loss = 0;
+  const float inv_n = n ? 1.0f / float(n) : 0.0f;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* l = logits + r * vocab;
+    float* d = dlogits + r * vocab;
+    if (targets[r] < 0) {
+      std::fill(d, d + vocab, 0.0f);
+      continue;
+    }
+    const int64_t best = std::max_element(l, l + vocab) - l;
+    const float m = l[best];
+    double sum = 0;
+    for (int64_t v = 0; v < vocab; ++v) sum += std::exp(double(l[v] - m));
+    const double lse = m + std::log(sum);
+    loss += lse - l[targets[r]];
+    hits += best == targets[r];
+    for (int64_t v = 0; v < vocab; ++v) d[v] = float(std::exp(double(l[v]) - lse)) * inv_n;
+    d[targets[r]] -= inv_n;
+  }
+  if (scored) *scored = n;
+  if (correct) *correct = hits;
+  return n ? loss / double(n) : 0.0;
+}
+
+}  // namespace kda::train

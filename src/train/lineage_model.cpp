@@ -1,0 +1,220 @@
+#include "train/lineage_model.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "core/random.h"
+#include "train/layers.h"
+#include "train/mixer_layer.h"
+
+namespace kda::train {
+
+MixerKind mixer_from_letter(char letter) {
+  switch (letter) {
+    case 'A':
+      return MixerKind::softmax;
+    case 'L':
+      return MixerKind::linear;
+    case 'D':
+      return MixerKind::delta;
+    case 'G':
+      return MixerKind::gated_delta;
+    case 'K':
+      return MixerKind::kda;
+  }
+  throw Error(std::string("unknown mixer letter '") + letter +
+              "' (A softmax, L linear, D DeltaNet, G Gated DeltaNet, K KDA)");
+}
+
+std::string mixer_name(MixerKind kind) {
+  switch (kind) {
+    case MixerKind::softmax:
+      return "softmax";
+    case MixerKind::linear:
+      return "linear";
+    case MixerKind::delta:
+      return "delta";
+    case MixerKind::gated_delta:
+      return "gated_delta";
+    case MixerKind::kda:
+      return "kda";
+  }
+  return "?";
+}
+
+void LineageConfig::validate() const {
+  require(vocab >= 2 && width >= 1 && heads >= 1 && head_dim >= 1 && mlp_hidden >= 1,
+          "lineage model: sizes must be positive");
+  require(!pattern.empty(), "lineage model: the layer pattern is empty");
+  for (char c : pattern) mixer_from_letter(c);
+}
+
+struct LineageModel::Block {
+  Param *norm1, *norm2, *W1, *W3, *W2;
+  std::unique_ptr<MixerLayer> mixer;
+  // kept for the backward
+  std::vector<float> h_in, a, inv1, h_mid, b, inv2, up_a, up_b, act;
+};
+
+Param* LineageModel::add(const std::string& name, Shape shape, bool decay) {
+  auto p = std::make_unique<Param>();
+  p->name = name;
+  p->value = Tensor(DType::f32, shape);
+  p->grad = Tensor(DType::f32, shape);
+  p->decay = decay;
+  params_.push_back(std::move(p));
+  return params_.back().get();
+}
+
+LineageModel::LineageModel(const LineageConfig& config, uint64_t seed) : config_(config) {
+  config_.validate();
+  Random rng(seed);
+  const int64_t d = config.width, H = config.heads, dh = config.head_dim, inner = H * dh,
+                L = int64_t(config.pattern.size());
+  auto normal = [&](Param* p, float sd) { rng.fill_normal(p->value.span_f32(), sd); };
+  auto ones = [&](Param* p) {
+    for (float& x : p->value.span_f32()) x = 1.0f;
+  };
+  const float sd = 0.02f, out_sd = 0.02f / std::sqrt(2.0f * float(L));
+  embed_ = add("embed", {config.vocab, d}, true);
+  normal(embed_, sd);
+  for (int64_t l = 0; l < L; ++l) {
+    const std::string pre = "layers." + std::to_string(l) + ".";
+    const MixerKind kind = mixer_from_letter(config.pattern[l]);
+    auto block = std::make_unique<Block>();
+    block->norm1 = add(pre + "norm1", {d}, false);
+    ones(block->norm1);
+    MixerWeights w;
+    w.Wq = add(pre + "mixer.q", {inner, d}, true);
+    w.Wk = add(pre + "mixer.k", {inner, d}, true);
+    w.Wv = add(pre + "mixer.v", {inner, d}, true);
+    w.Wo = add(pre + "mixer.o", {d, inner}, true);
+    for (Param* p : {w.Wq, w.Wk, w.Wv}) normal(p, sd);
+    normal(w.Wo, out_sd);
+    if (kind == MixerKind::delta || kind == MixerKind::gated_delta || kind == MixerKind::kda) {
+      w.Wb = add(pre + "mixer.b", {H, d}, true);
+      normal(w.Wb, sd);
+    }
+    if (kind == MixerKind::gated_delta || kind == MixerKind::kda) {
+      const int64_t gw = kind == MixerKind::kda ? inner : H;
+      w.Wg = add(pre + "mixer.g", {gw, d}, true);
+      normal(w.Wg, sd);
+      w.A_log = add(pre + "mixer.A_log", {H}, false);
+      for (float& a : w.A_log->value.span_f32()) a = std::log(rng.uniform(1.0f, 16.0f));
+      w.dt_bias = add(pre + "mixer.dt_bias", {gw}, false);
+      for (float& b : w.dt_bias->value.span_f32()) {
+        // Mamba's init: dt in [1e-3, 1e-1] log-uniformly, stored as softplus^-1(dt)
+        const float dt = std::exp(rng.uniform(std::log(1e-3f), std::log(1e-1f)));
+        b = dt + std::log(-std::expm1(-dt));
+      }
+    }
+    const bool all_softmax = config.pattern.find_first_not_of('A') == std::string::npos;
+    block->mixer = std::make_unique<MixerLayer>(kind, d, H, dh, w, all_softmax);
+    block->norm2 = add(pre + "norm2", {d}, false);
+    ones(block->norm2);
+    block->W1 = add(pre + "mlp.gate", {config.mlp_hidden, d}, true);
+    block->W3 = add(pre + "mlp.up", {config.mlp_hidden, d}, true);
+    block->W2 = add(pre + "mlp.down", {d, config.mlp_hidden}, true);
+    normal(block->W1, sd);
+    normal(block->W3, sd);
+    normal(block->W2, out_sd);
+    blocks_.push_back(std::move(block));
+  }
+  final_norm_ = add("final_norm", {d}, false);
+  ones(final_norm_);
+  lm_head_ = add("lm_head", {config.vocab, d}, true);
+  normal(lm_head_, sd);
+}
+
+LineageModel::~LineageModel() = default;
+
+std::vector<Param*> LineageModel::params() {
+  std::vector<Param*> out;
+  for (auto& p : params_) out.push_back(p.get());
+  return out;
+}
+
+int64_t LineageModel::num_params() const {
+  int64_t n = 0;
+  for (const auto& p : params_) n += p->value.numel();
+  return n;
+}
+
+void LineageModel::zero_grad() {
+  for (auto& p : params_)
+    for (float& g : p->grad.span_f32()) g = 0.0f;
+}
+
+LineageModel::StepResult LineageModel::forward_backward(const int32_t* inputs,
+                                                        const int32_t* targets, int64_t B,
+                                                        int64_t T, bool backward) {
+  const int64_t d = config_.width, rows = B * T, V = config_.vocab, F = config_.mlp_hidden;
+  const float eps = config_.norm_eps;
+  std::vector<float> h(rows * d), tmp(rows * d);
+  for (int64_t r = 0; r < rows; ++r) {
+    require(inputs[r] >= 0 && inputs[r] < V, "token id out of the vocabulary");
+    std::copy_n(embed_->value.f32() + int64_t(inputs[r]) * d, d, &h[r * d]);
+  }
+  for (auto& blk : blocks_) {
+    Block& b = *blk;
+    b.h_in = h;
+    b.a.resize(rows * d);
+    b.inv1.resize(rows);
+    rms_norm_forward(h.data(), rows, d, b.norm1->value.f32(), eps, b.a.data(), b.inv1.data());
+    b.mixer->forward(b.a.data(), B, T, tmp.data());
+    for (int64_t i = 0; i < rows * d; ++i) h[i] += tmp[i];
+    b.h_mid = h;
+    b.b.resize(rows * d);
+    b.inv2.resize(rows);
+    rms_norm_forward(h.data(), rows, d, b.norm2->value.f32(), eps, b.b.data(), b.inv2.data());
+    b.up_a.resize(rows * F);
+    b.up_b.resize(rows * F);
+    b.act.resize(rows * F);
+    linear_forward(b.b.data(), rows, d, b.W1->value.f32(), F, b.up_a.data());
+    linear_forward(b.b.data(), rows, d, b.W3->value.f32(), F, b.up_b.data());
+    swiglu_forward(b.up_a.data(), b.up_b.data(), rows * F, b.act.data());
+    linear_forward(b.act.data(), rows, F, b.W2->value.f32(), d, tmp.data());
+    for (int64_t i = 0; i < rows * d; ++i) h[i] += tmp[i];
+  }
+  std::vector<float> hf(rows * d), inv_f(rows), logits(rows * V), dlogits(rows * V);
+  rms_norm_forward(h.data(), rows, d, final_norm_->value.f32(), eps, hf.data(), inv_f.data());
+  linear_forward(hf.data(), rows, d, lm_head_->value.f32(), V, logits.data());
+  StepResult result;
+  result.loss = cross_entropy(logits.data(), targets, rows, V, dlogits.data(), &result.scored,
+                              &result.correct);
+  if (!backward) return result;
+
+  std::vector<float> dhf(rows * d), dh(rows * d), dtmp(rows * d);
+  linear_backward(hf.data(), dlogits.data(), rows, d, lm_head_->value.f32(), V, dhf.data(),
+                  lm_head_->grad.f32());
+  rms_norm_backward(h.data(), dhf.data(), rows, d, final_norm_->value.f32(), inv_f.data(),
+                    dh.data(), final_norm_->grad.f32());
+  for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) {
+    Block& b = **it;
+    // MLP: h = h_mid + W2 swiglu(W1 b, W3 b), b = norm2(h_mid)
+    std::vector<float> dact(rows * F), da(rows * F), db(rows * F), dbn(rows * d);
+    linear_backward(b.act.data(), dh.data(), rows, F, b.W2->value.f32(), d, dact.data(),
+                    b.W2->grad.f32());
+    swiglu_backward(b.up_a.data(), b.up_b.data(), dact.data(), rows * F, da.data(), db.data());
+    linear_backward(b.b.data(), da.data(), rows, d, b.W1->value.f32(), F, dbn.data(),
+                    b.W1->grad.f32());
+    linear_backward(b.b.data(), db.data(), rows, d, b.W3->value.f32(), F, dbn.data(),
+                    b.W3->grad.f32(), true);
+    rms_norm_backward(b.h_mid.data(), dbn.data(), rows, d, b.norm2->value.f32(), b.inv2.data(),
+                      dtmp.data(), b.norm2->grad.f32());
+    for (int64_t i = 0; i < rows * d; ++i) dh[i] += dtmp[i];
+    // mixer: h_mid = h_in + mixer(norm1(h_in))
+    std::vector<float> dan(rows * d);
+    b.mixer->backward(dh.data(), dan.data());
+    rms_norm_backward(b.h_in.data(), dan.data(), rows, d, b.norm1->value.f32(), b.inv1.data(),
+                      dtmp.data(), b.norm1->grad.f32());
+    for (int64_t i = 0; i < rows * d; ++i) dh[i] += dtmp[i];
+  }
+  float* dE = embed_->grad.f32();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < d; ++i) dE[int64_t(inputs[r]) * d + i] += dh[r * d + i];
+  return result;
+}
+
+}  // namespace kda::train

@@ -1,0 +1,68 @@
+// A small language model of the lineage family for training on the CPU: token embedding, then
+// per layer a pre-norm token mixer (one of softmax attention, linear attention, DeltaNet, Gated
+// DeltaNet, KDA, chosen per layer by a pattern such as "KKKA") and a pre-norm SwiGLU MLP, a
+// final RMSNorm and an untied LM head. Forward keeps what the backward needs; backward fills
+// every parameter's gradient through the ops' own backward passes.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace kda::train {
+
+// Pattern letters: A softmax attention, L linear attention, D DeltaNet, G Gated DeltaNet, K KDA.
+enum class MixerKind { softmax, linear, delta, gated_delta, kda };
+MixerKind mixer_from_letter(char letter);
+std::string mixer_name(MixerKind kind);
+
+struct LineageConfig {
+  int64_t vocab = 8192;
+  int64_t width = 256;
+  int64_t heads = 2;
+  int64_t head_dim = 128;
+  int64_t mlp_hidden = 512;
+  std::string pattern = "KK";  // one letter per layer
+  float norm_eps = 1e-5f;
+  void validate() const;
+};
+
+struct Param {
+  std::string name;
+  Tensor value, grad;
+  bool decay = true;  // weight decay applies (matrices only)
+};
+
+class MixerLayer;
+
+class LineageModel {
+ public:
+  LineageModel(const LineageConfig& config, uint64_t seed);
+  ~LineageModel();
+
+  const LineageConfig& config() const { return config_; }
+  std::vector<Param*> params();
+  int64_t num_params() const;
+
+  struct StepResult {
+    double loss = 0;
+    int64_t scored = 0, correct = 0;
+  };
+  // inputs, targets [B, T] (target -1: not scored). With backward, gradients are accumulated
+  // into Param::grad (zero them with zero_grad).
+  StepResult forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
+                              bool backward);
+  void zero_grad();
+
+ private:
+  struct Block;
+  LineageConfig config_;
+  std::vector<std::unique_ptr<Param>> params_;
+  std::vector<std::unique_ptr<Block>> blocks_;
+  Param *embed_, *final_norm_, *lm_head_;
+  Param* add(const std::string& name, Shape shape, bool decay);
+};
+
+}  // namespace kda::train

@@ -1,0 +1,39 @@
+// One token-mixer sub-layer of a lineage model: projections in, the mixer op, projection out.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "train/lineage_model.h"
+
+namespace kda::train {
+
+struct MixerWeights {
+  Param *Wq = nullptr, *Wk = nullptr, *Wv = nullptr, *Wo = nullptr;
+  Param* Wb = nullptr;                         // beta projection [H, d] (delta family)
+  Param* Wg = nullptr;                         // gate projection [H, d] or [H * dh, d]
+  Param *A_log = nullptr, *dt_bias = nullptr;  // gate parameters
+};
+
+class MixerLayer {
+ public:
+  // rope: rotary position embedding on q and k (softmax only; models whose every layer is
+  // softmax need it for positions; hybrids take positions from their recurrent layers, NoPE).
+  MixerLayer(MixerKind kind, int64_t width, int64_t heads, int64_t head_dim, MixerWeights w,
+             bool rope = false)
+      : kind_(kind), d_(width), H_(heads), dh_(head_dim), rope_(rope), w_(w) {}
+  // x [B * T, d] -> y [B * T, d]; keeps activations for backward.
+  void forward(const float* x, int64_t B, int64_t T, float* y);
+  // dy -> dx (overwritten); parameter gradients accumulated.
+  void backward(const float* dy, float* dx);
+
+ private:
+  MixerKind kind_;
+  int64_t d_, H_, dh_, B_ = 0, T_ = 0;
+  bool rope_ = false;
+  MixerWeights w_;
+  std::vector<float> x_, q_, k_, v_, braw_, graw_, o_, lse_;
+  // delta / gated delta: activated inputs
+  std::vector<float> qn_, kn_, beta_, g_;
+};
+
+}  // namespace kda::train

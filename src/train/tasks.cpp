@@ -1,0 +1,149 @@
+#include "train/tasks.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "core/error.h"
+
+namespace kda::train {
+
+Task parse_task(const std::string& name) {
+  if (name == "mqar") return Task::mqar;
+  if (name == "palindrome") return Task::palindrome;
+  if (name == "stack") return Task::stack;
+  throw Error("unknown task '" + name + "' (mqar, palindrome, stack)");
+}
+
+std::string task_name(Task task) {
+  switch (task) {
+    case Task::mqar:
+      return "mqar";
+    case Task::palindrome:
+      return "palindrome";
+    case Task::stack:
+      return "stack";
+  }
+  return "?";
+}
+
+TaskStream::TaskStream(const TaskSpec& spec, uint64_t seed, int split) : spec_(spec) {
+  require(spec.seq_len >= 8, "task: seq_len must be at least 8");
+  require(spec.vocab >= 4, "task: vocab must be at least 4");
+  if (spec_.task == Task::mqar) {
+    if (spec_.num_kv == 0) spec_.num_kv = spec_.seq_len / 8;
+    require(4 * spec_.num_kv <= spec_.seq_len, "mqar: 4 x num_kv must fit in seq_len");
+    require(spec_.num_kv <= spec_.vocab / 2 - 1, "mqar: more pairs than keys in the vocabulary");
+  }
+  // disjoint seed spaces for train and test
+  state_ = seed * 2 + uint64_t(split);
+}
+
+uint64_t TaskStream::hash_example(const int32_t* inputs, int64_t T) {
+  uint64_t h = 1469598103934665603ull;
+  for (int64_t t = 0; t < T; ++t) {
+    h ^= uint64_t(uint32_t(inputs[t]));
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+Batch TaskStream::next(int64_t batch_size) {
+  Batch b;
+  b.B = batch_size;
+  b.T = spec_.seq_len;
+  b.inputs.resize(b.B * b.T);
+  b.targets.resize(b.B * b.T);
+  for (int64_t i = 0; i < b.B; ++i) {
+    do {
+      make_example(&b.inputs[i * b.T], &b.targets[i * b.T]);
+    } while (!forbidden_.empty() && forbidden_.count(hash_example(&b.inputs[i * b.T], b.T)));
+  }
+  return b;
+}
+
+void TaskStream::make_example(int32_t* inputs, int32_t* targets) {
+  std::mt19937_64 rng(state_);
+  state_ += 0x9E3779B97F4A7C15ull * 2;  // next example of this split (stays even/odd)
+  const int64_t T = spec_.seq_len, V = spec_.vocab;
+  std::fill(targets, targets + T, -1);
+  // sequences are built one longer than T, then shifted: inputs = seq[:-1], targets = seq[1:]
+  std::vector<int32_t> seq(T + 1, 0), label(T + 1, -1);
+  auto uniform = [&](int64_t lo, int64_t hi) {  // [lo, hi)
+    return int32_t(std::uniform_int_distribution<int64_t>(lo, hi - 1)(rng));
+  };
+  if (spec_.task == Task::mqar) {
+    const int64_t n = spec_.num_kv, context = 2 * n;
+    std::vector<int32_t> keys(V / 2 - 1), values(V - V / 2);
+    std::iota(keys.begin(), keys.end(), 1);
+    std::iota(values.begin(), values.end(), int32_t(V / 2));
+    std::shuffle(keys.begin(), keys.end(), rng);
+    std::shuffle(values.begin(), values.end(), rng);
+    for (int64_t i = 0; i < n; ++i) {
+      seq[2 * i] = keys[i];
+      seq[2 * i + 1] = values[i];
+    }
+    // query gaps: distinct slots in the query region, power-law weights (short gaps likelier)
+    const int64_t space = (T + 1 - context) / 2;
+    std::vector<double> weight(space);
+    const double alpha = 0.01;
+    for (int64_t s = 0; s < space; ++s) weight[s] = alpha * std::pow(double(s + 1), alpha - 1);
+    std::vector<int64_t> gaps;
+    for (int64_t i = 0; i < n; ++i) {
+      std::discrete_distribution<int64_t> pick(weight.begin(), weight.end());
+      const int64_t g = pick(rng);
+      gaps.push_back(g);
+      weight[g] = 0;  // without replacement
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t pos = context + 2 * gaps[i];
+      seq[pos] = keys[i];
+      label[pos + 1] = values[i];
+    }
+  } else if (spec_.task == Task::palindrome) {
+    // tokens from [2, V); 1 is the separator
+    const int64_t n = T / 2;
+    for (int64_t i = 0; i < n; ++i) seq[i] = uniform(2, V);
+    seq[n] = 1;
+    for (int64_t i = 0; i < T - n; ++i) {
+      const int64_t pos = n + 1 + i;
+      if (pos > T) break;
+      seq[pos] = i < n ? seq[n - 1 - i] : 0;
+      if (i < n) label[pos] = seq[pos];
+    }
+  } else {
+    // push = a value token in [2, V); pop = token 1, whose target is the popped value
+    std::vector<int32_t> stack;
+    for (int64_t pos = 0; pos <= T; ++pos) {
+      const bool pop = !stack.empty() && (uniform(0, 2) == 0 || pos + int64_t(stack.size()) > T);
+      if (pop) {
+        seq[pos] = 1;
+        if (pos + 1 <= T) {
+          label[pos + 1] = stack.back();  // the token after a pop reveals the popped value
+          seq[pos + 1] = stack.back();
+        }
+        stack.pop_back();
+        ++pos;
+      } else {
+        seq[pos] = uniform(2, V);
+        stack.push_back(seq[pos]);
+      }
+    }
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    inputs[t] = seq[t];
+    targets[t] = label[t + 1];
+  }
+}
+
+TestSet make_test_set(const TaskSpec& spec, uint64_t seed, int64_t examples) {
+  TestSet set;
+  TaskStream stream(spec, seed, 1);
+  set.batch = stream.next(examples);
+  for (int64_t i = 0; i < examples; ++i)
+    set.hashes.insert(TaskStream::hash_example(&set.batch.inputs[i * spec.seq_len], spec.seq_len));
+  return set;
+}
+
+}  // namespace kda::train

@@ -1,0 +1,55 @@
+// Synthetic recall tasks, generated from a seed. Train and test streams come from disjoint seed
+// spaces and test examples are never emitted by the train stream (checked by hash).
+//   MQAR (Zoology's multi-query associative recall): key-value pairs, then each key queried
+//     once at a power-law gap; only the answers are scored.
+//   Palindrome: a random string, a separator, then the string reversed (the reversal scored).
+//   Stack: push/pop operations; each pop must predict the token on top (pops scored).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+namespace kda::train {
+
+enum class Task { mqar, palindrome, stack };
+Task parse_task(const std::string& name);
+std::string task_name(Task task);
+
+struct TaskSpec {
+  Task task = Task::mqar;
+  int64_t vocab = 8192;
+  int64_t seq_len = 256;
+  int64_t num_kv = 0;  // MQAR pairs (0: seq_len / 8)
+};
+
+// One batch: inputs and targets [B, T] (target -1 = not scored).
+struct Batch {
+  int64_t B = 0, T = 0;
+  std::vector<int32_t> inputs, targets;
+};
+
+class TaskStream {
+ public:
+  // split 0 = train, 1 = test.
+  TaskStream(const TaskSpec& spec, uint64_t seed, int split);
+  Batch next(int64_t batch_size);
+  // Never yield an example whose hash is in `forbidden` (the test set's).
+  void forbid(const std::unordered_set<uint64_t>& hashes) { forbidden_ = hashes; }
+  static uint64_t hash_example(const int32_t* inputs, int64_t T);
+
+ private:
+  void make_example(int32_t* inputs, int32_t* targets);
+  TaskSpec spec_;
+  uint64_t state_;
+  std::unordered_set<uint64_t> forbidden_;
+};
+
+// A fixed test set and the hashes of its examples.
+struct TestSet {
+  Batch batch;
+  std::unordered_set<uint64_t> hashes;
+};
+TestSet make_test_set(const TaskSpec& spec, uint64_t seed, int64_t examples);
+
+}  // namespace kda::train

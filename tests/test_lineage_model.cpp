@@ -1,0 +1,139 @@
+// The training model of the lineage family: gradients of every parameter tensor against
+// directional finite differences, a loss that falls on a learnable task, and the tasks' shape.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "core/random.h"
+#include "train/adamw.h"
+#include "train/lineage_model.h"
+#include "train/tasks.h"
+
+namespace kda {
+namespace {
+
+using train::LineageConfig;
+using train::LineageModel;
+
+// d loss / d theta along u = grad / |grad|, per parameter tensor, by central differences.
+TEST(LineageModel, EveryParameterGradientMatchesDirectionalFiniteDifferences) {
+  for (const char* pattern : {"AK", "LD", "GK", "KKKA", "AA"}) {
+    LineageConfig config{32, 16, 2, 8, 24, pattern};
+    LineageModel model(config, 11);
+    // larger weights than the training init: bigger gradients, far above fp32 loss noise
+    for (train::Param* p : model.params())
+      if (p->decay)
+        for (float& w : p->value.span_f32()) w *= 5.0f;
+    Random rng(12);
+    const int64_t B = 2, T = 9;
+    std::vector<int32_t> in(B * T), tg(B * T);
+    for (auto& x : in) x = int32_t(rng.integer(0, 31));
+    for (auto& x : tg) x = rng.uniform(0, 1) < 0.7 ? int32_t(rng.integer(0, 31)) : -1;
+    model.zero_grad();
+    const double loss = model.forward_backward(in.data(), tg.data(), B, T, true).loss;
+    size_t checked = 0;
+    for (train::Param* p : model.params()) {
+      double gnorm2 = 0;
+      for (float g : p->grad.span_f32()) gnorm2 += double(g) * g;
+      const double gnorm = std::sqrt(gnorm2);
+      ASSERT_TRUE(std::isfinite(gnorm)) << p->name;
+      if (gnorm < 1e-7) continue;  // embedding rows of unused tokens only
+      ++checked;
+      // fp32 losses carry ~1e-7 relative noise: step far enough to move the loss by ~2e-3
+      const double eps = std::clamp(2e-3 * loss / gnorm, 1e-3, 0.3);
+      const std::vector<float> keep(p->value.f32(), p->value.f32() + p->value.numel());
+      auto loss_at = [&](double s) {
+        for (int64_t i = 0; i < p->value.numel(); ++i)
+          p->value.f32()[i] = keep[i] + float(s * p->grad.f32()[i] / gnorm);
+        return model.forward_backward(in.data(), tg.data(), B, T, false).loss;
+      };
+      // central differences at two steps, Richardson-extrapolated (cancels the eps^2 term)
+      auto central = [&](double eps) { return (loss_at(eps) - loss_at(-eps)) / (2 * eps); };
+      const double fd = (4 * central(eps / 2) - central(eps)) / 3;
+      std::copy(keep.begin(), keep.end(), p->value.f32());
+      EXPECT_NEAR(fd / gnorm, 1.0, 2e-2) << pattern << " " << p->name << " |g| " << gnorm;
+    }
+    EXPECT_GE(checked, model.params().size() - 1) << pattern;
+  }
+}
+
+TEST(LineageModel, AdamWFitsAFixedBatch) {
+  // Every architecture can memorise one small batch: the loss must fall well below chance.
+  train::TaskSpec spec{train::Task::palindrome, 16, 16, 0};
+  const train::Batch b = train::TaskStream(spec, 3, 0).next(8);
+  LineageModel model({16, 32, 2, 16, 64, "KA"}, 5);
+  train::AdamW opt(model.params(), {.lr = 1e-2f, .warmup_steps = 5, .total_steps = 60});
+  double first = 0, last = 0;
+  for (int step = 0; step < 60; ++step) {
+    model.zero_grad();
+    const auto r = model.forward_backward(b.inputs.data(), b.targets.data(), b.B, b.T, true);
+    opt.step();
+    if (step == 0) first = r.loss;
+    last = r.loss;
+  }
+  EXPECT_LT(last, 0.3 * first);
+}
+
+TEST(Tasks, MqarFollowsZoology) {
+  train::TaskSpec spec{train::Task::mqar, 64, 64, 8};
+  train::TaskStream stream(spec, 1, 0);
+  const train::Batch b = stream.next(20);
+  for (int64_t i = 0; i < b.B; ++i) {
+    const int32_t* x = &b.inputs[i * b.T];
+    const int32_t* y = &b.targets[i * b.T];
+    std::set<int32_t> keys, values;
+    for (int64_t j = 0; j < 8; ++j) {
+      EXPECT_GE(x[2 * j], 1);
+      EXPECT_LT(x[2 * j], 32);
+      EXPECT_GE(x[2 * j + 1], 32);
+      EXPECT_LT(x[2 * j + 1], 64);
+      keys.insert(x[2 * j]);
+      values.insert(x[2 * j + 1]);
+    }
+    EXPECT_EQ(keys.size(), 8u);  // without replacement
+    EXPECT_EQ(values.size(), 8u);
+    int64_t scored = 0;
+    for (int64_t t = 0; t < b.T; ++t) {
+      if (y[t] < 0) continue;
+      ++scored;
+      // the query at t is a key whose value is the target
+      int64_t j = 0;
+      while (j < 8 && x[2 * j] != x[t]) ++j;
+      ASSERT_LT(j, 8);
+      EXPECT_EQ(y[t], x[2 * j + 1]);
+      EXPECT_GE(t, 16);
+    }
+    EXPECT_EQ(scored, 8);  // every key queried exactly once
+  }
+}
+
+TEST(Tasks, StackAndPalindromeTargetsAreRecoverable) {
+  for (train::Task task : {train::Task::palindrome, train::Task::stack}) {
+    train::TaskSpec spec{task, 50, 40, 0};
+    const train::Batch b = train::TaskStream(spec, 2, 0).next(10);
+    int64_t scored = 0;
+    for (int64_t i = 0; i < b.B * b.T; ++i) {
+      if (b.targets[i] < 0) continue;
+      ++scored;
+      EXPECT_GE(b.targets[i], 2);
+      if ((i + 1) % b.T) EXPECT_EQ(b.inputs[i + 1], b.targets[i]);  // teacher forcing
+    }
+    EXPECT_GT(scored, 10 * 5);
+  }
+}
+
+TEST(Tasks, TrainStreamNeverYieldsTestExamples) {
+  train::TaskSpec spec{train::Task::palindrome, 4, 8, 0};  // 16 possible examples: collisions
+  const train::TestSet test = train::make_test_set(spec, 9, 30);
+  train::TaskStream train_stream(spec, 9, 0);
+  train_stream.forbid(test.hashes);
+  const train::Batch b = train_stream.next(200);
+  for (int64_t i = 0; i < b.B; ++i) {
+    EXPECT_EQ(test.hashes.count(train::TaskStream::hash_example(&b.inputs[i * b.T], b.T)), 0u);
+  }
+}
+
+}  // namespace
+}  // namespace kda
