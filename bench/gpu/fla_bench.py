@@ -8,9 +8,12 @@ fla is imported from PYTHONPATH (scripts/gpu_run.sh points it at gpu_carry/ when
 If fla cannot be imported, only our numbers are printed, and the script says so.
 Timings: triton.testing.do_bench, median, after warm-up; bf16 inputs, H = HV = 32,
 K = V = 128, initial state none, final state returned (forward), states in a 1024-slot fp32
-pool updated in place (KDA decode).
+pool updated in place (KDA decode). Forward + backward: torch autograd through chunk_kda /
+chunk_gated_delta_rule with the layer options off (gates and betas given, no in-kernel l2norm),
+o and the final state back-propagated from random do, dht (as kda_gpu_check does).
 """
 import argparse
+import signal
 import sys
 
 H, K, V = 32, 128, 128
@@ -30,7 +33,15 @@ def read_ours(path):
     return ours, ceilings
 
 
-def time_fla():
+class OutOfTime(BaseException):  # not caught by the per-op `except Exception`
+    pass
+
+
+def _on_term(signum, frame):  # `timeout` sends SIGTERM: keep what was measured so far
+    raise OutOfTime()
+
+
+def time_fla(results):
     import torch
     import torch.nn.functional as F
     import triton
@@ -41,17 +52,40 @@ def time_fla():
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     dev, bf = "cuda", torch.bfloat16
-    results = {}
 
-    def bench(fn):
+    def bench(fn, grad_to_none=None, warmup=50, rep=300):
         try:
-            return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+            return triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none,
+                                           return_mode="median")
         except Exception as e:  # one broken op must not lose the others
             print(f"fla op failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
             return None
 
     def fmt(x, unit=1.0):
         return "failed" if x is None else f"{x * unit:.3f}"
+
+    def fwd_bwd(name, B, T):
+        key = f"{B}x{T}"
+        gate_shape, fn = ((B, T, H, K), chunk_kda) if name == "kda" else \
+            ((B, T, H), chunk_gated_delta_rule)
+        q = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(bf).requires_grad_()
+        k = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(bf).requires_grad_()
+        v = torch.randn(B, T, H, V, device=dev, dtype=bf).requires_grad_()
+        beta = (torch.rand(B, T, H, device=dev, dtype=bf) * 0.8 + 0.1).requires_grad_()
+        g = (-(torch.rand(*gate_shape, device=dev) * 0.99 + 0.01)).to(bf).requires_grad_()
+        do = torch.randn(B, T, H, V, device=dev, dtype=bf)
+        dht = torch.randn(B, H, K, V, device=dev, dtype=torch.float32) * 0.1
+        leaves = [q, k, v, g, beta]
+
+        def step():
+            o, ht = fn(q, k, v, g, beta, output_final_state=True)
+            torch.autograd.backward((o, ht), (do, dht))
+        results[(f"chunk_fwdbwd_{name}", key)] = bench(step, grad_to_none=leaves, warmup=25,
+                                                       rep=150)
+        print(f"fla fwd+bwd {name} {key}: {fmt(results[(f'chunk_fwdbwd_{name}', key)])} ms",
+              flush=True)
+        del q, k, v, beta, g, do, dht, leaves
+        torch.cuda.empty_cache()
 
     torch.manual_seed(0)
     with torch.inference_mode():
@@ -73,6 +107,11 @@ def time_fla():
             del q, k, v, beta, g
             torch.cuda.empty_cache()
 
+    # forward + backward through autograd: KDA first (the target), GDN after decode
+    for B, T in CHUNK_SHAPES:
+        fwd_bwd("kda", B, T)
+
+    with torch.inference_mode():
         slots_n = 1024
         pool = torch.zeros(slots_n, H, K, V, device=dev, dtype=torch.float32)
         for B in DECODE_BATCHES:
@@ -99,6 +138,8 @@ def time_fla():
                     output_final_state=True))
             print(f"fla decode B={B}: kda {fmt(results[('decode_kda', f'B{B}')], 1e3)} us, "
                   f"gdn {fmt(results[('decode_gdn', f'B{B}')], 1e3)} us", flush=True)
+    for B, T in CHUNK_SHAPES:
+        fwd_bwd("gdn", B, T)
     return results
 
 
@@ -108,13 +149,17 @@ def main():
     ap.add_argument("--out")
     args = ap.parse_args()
     ours, ceilings = read_ours(args.ours)
+    signal.signal(signal.SIGTERM, _on_term)
+    fla = {}
     try:
-        fla = time_fla()
+        time_fla(fla)
         fla_note = "fla timed in this run"
+    except OutOfTime:
+        fla_note = "fla timed in this run (cut short by the time limit)"
     except ImportError as e:
-        fla, fla_note = {}, f"fla NOT timed (import failed: {e}); put fla/ in gpu_carry/"
+        fla_note = f"fla NOT timed (import failed: {e}); put fla/ in gpu_carry/"
     except Exception as e:  # keep our numbers even if fla breaks
-        fla, fla_note = {}, f"fla NOT timed ({type(e).__name__}: {e})"
+        fla_note = f"fla NOT timed ({type(e).__name__}: {e})"
 
     lines = [f"copy {ceilings.get('copy_tbs', 0):.2f} TB/s, bf16 GEMM "
              f"{ceilings.get('gemm_tflops', 0):.0f} TFLOP/s (measured this run); {fla_note}",

@@ -7,8 +7,13 @@
 //   DeltaNet, T = 1, 63, 64, 65, 2047, packed varlen with a length-1 sequence, grouped value
 //   heads, K = V = 64 and 128, initial and final states; decode step by step against the float64
 //   recurrence and against the chunked prefill. Relative RMS error ||x - ref|| / ||ref||.
+//   Chunked backward (bf16): dq, dk, dv, dg, dbeta, dh0 against the CPU fp32 chunked backward
+//   (delta_rule_chunk_backward, verified to 1e-7 against float64) on the same bf16-rounded
+//   inputs; tolerances fla's: 8e-3 (dq, dk, dv, dh0), 2e-2 (dg, dbeta).
+// --small: one small forward and backward case (for compute-sanitizer).
 // --bench: copy bandwidth and cuBLAS bf16 GEMM ceilings, chunked forward (KDA, GDN) at
-//   H = 32, K = V = 128 for 8x2048, 2x8192, 1x65536, and decode for B = 1, 16, 64, 128.
+//   H = 32, K = V = 128 for 8x2048, 2x8192, 1x65536, forward + backward on the same shapes,
+//   and decode for B = 1, 16, 64, 128.
 //   Results go to FILE as tab-separated lines (read by bench/gpu/fla_bench.py).
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -290,6 +295,77 @@ void check_forward(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV, int64
   report(name, "ht", rel_rms(got.ht, ref.ht), tol);
 }
 
+// Backward: GPU (bf16) against the CPU fp32 chunked backward on the same rounded inputs.
+void check_backward(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V,
+                    std::vector<int64_t> cu, bool with_h0, bool with_dht, uint64_t seed,
+                    bool strong = false) {
+  const auto bf = ElementType::bf16;
+  DeltaRuleShape s{B, T, H, HV, K, V, gate, 0};
+  const Inputs in = make_inputs(s, cu, with_h0, seed, strong);
+  const Uploaded u = upload_all(in, bf);
+  const int64_t N = in.N, gw = s.gate_width(), tokens = in.tokens;
+  Random rng(seed + 7);
+  std::vector<float> d_o(tokens * HV * V), d_ht;
+  rng.fill_normal(d_o);
+  const HostTensor dO = upload(d_o, bf);
+  DeviceBuffer dht_dev;
+  if (with_dht) {
+    d_ht.resize(N * HV * K * V);
+    rng.fill_normal(d_ht, 0.5f);
+    dht_dev = DeviceBuffer(d_ht.size() * 4);
+    ck(cudaMemcpy(dht_dev.ptr, d_ht.data(), d_ht.size() * 4, cudaMemcpyHostToDevice), "dht");
+  }
+
+  // CPU fp32 reference on the rounded values
+  auto as_float = [](const std::vector<double>& x) {
+    return std::vector<float>(x.begin(), x.end());
+  };
+  const std::vector<float> q = as_float(u.q.rounded), k = as_float(u.k.rounded),
+                           v = as_float(u.v.rounded), beta = as_float(u.beta.rounded),
+                           g = gw ? as_float(u.g.rounded) : std::vector<float>{}, h0 = in.h0,
+                           dof = as_float(dO.rounded);
+  std::vector<float> rq(q.size()), rk(k.size()), rv(v.size()), rg(g.size()), rb(beta.size()),
+      rh0(N * HV * K * V);
+  DeltaRuleInputs<float> x{s,
+                           q.data(),
+                           k.data(),
+                           v.data(),
+                           gw ? g.data() : nullptr,
+                           beta.data(),
+                           h0.empty() ? nullptr : h0.data(),
+                           in.cu};
+  DeltaRuleGrads<float> gr{rq.data(), rk.data(), rv.data(), gw ? rg.data() : nullptr,
+                           rb.data(), rh0.data()};
+  delta_rule_chunk_backward(x, dof.data(), with_dht ? d_ht.data() : nullptr, gr, 64);
+
+  DeviceBuffer dq(q.size() * 2), dk(k.size() * 2), dv(v.size() * 2),
+      dg(std::max<size_t>(g.size(), 1) * 2), db(beta.size() * 2), dh0(rh0.size() * 4);
+  for (auto* b : {&dq, &dk, &dv, &dg, &db, &dh0}) poison(*b);
+  const auto d = device_inputs(in, u, bf);
+  cuda::DeltaRuleDeviceGrads grads;
+  grads.dq = dq.ptr, grads.dk = dk.ptr, grads.dv = dv.ptr, grads.dbeta = db.ptr;
+  grads.dg = gw ? dg.ptr : nullptr;
+  grads.dh0 = dh0.as<float>();
+  const size_t ws_bytes = cuda::chunk_backward_workspace_bytes(s, in.cu);
+  DeviceBuffer ws(ws_bytes);
+  poison(ws);
+  cuda::chunk_backward(d, dO.device.ptr, with_dht ? dht_dev.as<float>() : nullptr, grads, ws.ptr,
+                       ws_bytes, nullptr);
+  ck(cudaDeviceSynchronize(), "backward");
+  auto wide = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
+  char name[160];
+  std::snprintf(name, sizeof name, "backward %s B%lld T%lld H%lld HV%lld K%lld V%lld%s%s%s%s",
+                gate_name(gate), (long long)B, (long long)T, (long long)H, (long long)HV,
+                (long long)K, (long long)V, cu.empty() ? "" : " varlen", with_h0 ? " h0" : "",
+                with_dht ? " dht" : "", strong ? " strong-g" : "");
+  report(name, "dq", rel_rms(download(dq.ptr, q.size(), bf), wide(rq)), 8e-3);
+  report(name, "dk", rel_rms(download(dk.ptr, k.size(), bf), wide(rk)), 8e-3);
+  report(name, "dv", rel_rms(download(dv.ptr, v.size(), bf), wide(rv)), 8e-3);
+  if (gw) report(name, "dg", rel_rms(download(dg.ptr, g.size(), bf), wide(rg)), 2e-2);
+  report(name, "db", rel_rms(download(db.ptr, beta.size(), bf), wide(rb)), 2e-2);
+  report(name, "dh0", rel_rms(download(dh0.ptr, rh0.size(), ElementType::f32), wide(rh0)), 8e-3);
+}
+
 // Prefill (chunked) the prompts into scattered slots of a pool, decode D tokens step by step,
 // compare against the float64 recurrence and against one chunked pass over prompt + decoded.
 void check_decode(Gate gate, int64_t H, int64_t HV, int64_t K, int64_t V, ElementType t,
@@ -427,6 +503,24 @@ void run_checks() {
   }
   check_forward(Gate::none, 2, 130, 2, 2, 128, 128, {}, true, bf, false, ++seed);
   check_forward(Gate::none, 2, 130, 2, 2, 64, 64, {}, true, f32, false, ++seed);
+  // backward (bf16) against the CPU fp32 chunked backward
+  for (Gate gate : {Gate::channel, Gate::scalar}) {
+    for (int64_t T : {1, 63, 64, 65})
+      check_backward(gate, 2, T, 2, 4, 128, 128, {}, T != 64, T != 63, ++seed);
+    check_backward(gate, 1, 2047, 2, 2, 128, 128, {}, true, true, ++seed);
+    check_backward(gate, 1, 521, 1, 2, 64, 64, varlen, true, true, ++seed);
+    check_backward(gate, 1, 521, 2, 4, 128, 128, varlen, false, false, ++seed);
+    check_backward(gate, 2, 300, 2, 2, 64, 64, {}, false, true, ++seed);
+    check_backward(gate, 1, 1000, 2, 2, 128, 128, {}, true, true, ++seed, true);
+  }
+  check_backward(Gate::none, 2, 130, 2, 2, 128, 128, {}, true, true, ++seed);
+}
+
+// One small forward and backward (for compute-sanitizer, which slows kernels 10-100x).
+void run_small() {
+  check_forward(Gate::channel, 1, 130, 1, 2, 64, 64, {}, true, ElementType::bf16, false, 7);
+  check_backward(Gate::channel, 1, 130, 1, 2, 64, 64, {}, true, true, 8);
+  check_backward(Gate::scalar, 1, 70, 1, 1, 128, 128, {}, true, true, 9);
 }
 
 // ---------------------------------------------------------------- benchmarks
@@ -491,7 +585,8 @@ void fill_device_random_bf16(const DeviceBuffer& b, size_t n, uint64_t seed, flo
   }
 }
 
-// Two chunked forwards (KDA, 8 x 2048, H = 32) and two decode steps (B = 16), for ncu.
+// Two chunked forwards and backwards (KDA, 8 x 2048, H = 32) and two decode steps (B = 16),
+// for ncu.
 void run_profile() {
   DeltaRuleShape s{8, 2048, 32, 32, 128, 128, Gate::channel, 0};
   const size_t tokens = 8 * 2048, H = 32, K = 128, V = 128;
@@ -505,10 +600,21 @@ void run_profile() {
   cuda::DeltaRuleDeviceInputs d;
   d.shape = s;
   d.q = q.ptr, d.k = k.ptr, d.v = v.ptr, d.g = g.ptr, d.beta = beta.ptr;
-  const size_t ws_bytes = cuda::chunk_forward_workspace_bytes(s, {});
+  const size_t ws_bytes = cuda::chunk_backward_workspace_bytes(s, {});
   DeviceBuffer ws(ws_bytes);
   for (int i = 0; i < 2; ++i)
     cuda::chunk_forward(d, o.ptr, ht.as<float>(), ws.ptr, ws_bytes, nullptr);
+  {
+    DeviceBuffer dq(tokens * H * K * 2), dk(tokens * H * K * 2), dv(tokens * H * V * 2),
+        dg(tokens * H * K * 2), dbeta(tokens * H * 2);
+    fill_device_random_bf16(o, tokens * H * V, 16, -1, 1);  // o reused as d_o
+    cuda::DeltaRuleDeviceGrads grads;
+    grads.dq = dq.ptr, grads.dk = dk.ptr, grads.dv = dv.ptr, grads.dg = dg.ptr;
+    grads.dbeta = dbeta.ptr;
+    for (int i = 0; i < 2; ++i)
+      cuda::chunk_backward(d, o.ptr, nullptr, grads, ws.ptr, ws_bytes, nullptr);
+    ck(cudaDeviceSynchronize(), "profile backward");
+  }
   const int64_t B = 16;
   DeviceBuffer pool(size_t(1024) * H * K * V * 4), slots(B * 4);
   std::vector<int32_t> sl(B);
@@ -586,7 +692,8 @@ void run_bench(const std::string& out_path) {
       cuda::DeltaRuleDeviceInputs d;
       d.shape = s;
       d.q = q.ptr, d.k = k.ptr, d.v = v.ptr, d.g = g.ptr, d.beta = beta.ptr;
-      const size_t ws_bytes = cuda::chunk_forward_workspace_bytes(s, {});
+      // the backward's workspace starts with the forward's layout: one buffer serves both
+      const size_t ws_bytes = cuda::chunk_backward_workspace_bytes(s, {});
       DeviceBuffer ws(ws_bytes);
       auto call = [&](int) {
         cuda::chunk_forward(d, o.ptr, ht.as<float>(), ws.ptr, ws_bytes, nullptr);
@@ -611,6 +718,53 @@ void run_bench(const std::string& out_path) {
       std::fflush(stdout);
       out << "chunk_fwd_" << gate_name(gate) << "\t" << sh.B << "x" << sh.T << "\t" << ms << "\t"
           << floor_ms << "\n";
+
+      // Forward + backward (as a training step: o and ht, then every gradient from do and dht).
+      DeviceBuffer d_o(tokens * H * V * 2), dht(size_t(sh.B) * H * K * V * 4),
+          dq(tokens * H * K * 2), dk(tokens * H * K * 2), dv(tokens * H * V * 2),
+          dg(tokens * H * gw * 2), dbeta(tokens * H * 2);
+      fill_device_random_bf16(d_o, tokens * H * V, 16, -1, 1);
+      {
+        std::vector<float> h(size_t(sh.B) * H * K * V);
+        Random rng(17);
+        rng.fill_normal(h, 0.1f);
+        ck(cudaMemcpy(dht.ptr, h.data(), dht.bytes, cudaMemcpyHostToDevice), "dht");
+      }
+      cuda::DeltaRuleDeviceGrads grads;
+      grads.dq = dq.ptr, grads.dk = dk.ptr, grads.dv = dv.ptr, grads.dg = dg.ptr;
+      grads.dbeta = dbeta.ptr;
+      auto backward = [&](int) {
+        cuda::chunk_backward(d, d_o.ptr, dht.as<float>(), grads, ws.ptr, ws_bytes, nullptr);
+      };
+      const double fb_ms = timer.median_ms(
+          [&](int i) {
+            call(i);
+            backward(i);
+          },
+          2, 10);
+      const double bwd_ms = timer.median_ms(backward, 1, 10);
+      double stage_ms[3] = {0, 0, 0};
+      const char* stages[3] = {"recompute", "state", "local"};
+      for (int st = 0; st < 3; ++st) {
+        setenv("KDA_BWD_STAGES", stages[st], 1);
+        stage_ms[st] = timer.median_ms(backward, 1, 10);
+      }
+      unsetenv("KDA_BWD_STAGES");
+      // Floors: forward bytes + the backward's (inputs and do read, gradients written, dht
+      // read); FLOPs taken as 3x the forward's (the backward's products are about twice the
+      // forward's; an estimate, not a count).
+      const double bwd_bytes = double(tokens) * H * (2 * (2 * K * 2 + V * 2 + gw * 2 + 2) + V * 2) +
+                               double(sh.B) * H * K * V * 4;
+      const double fb_floor_ms =
+          std::max((bytes + bwd_bytes) / (copy_tbs * 1e12), 3 * flops / (gemm_tflops * 1e12)) * 1e3;
+      std::printf(
+          "BENCH chunk_fwd+bwd %s %lldx%lld: %.3f ms (bwd alone %.3f = recompute %.3f + state_bwd "
+          "%.3f + local %.3f) floor %.3f ms\n",
+          gate_name(gate), (long long)sh.B, (long long)sh.T, fb_ms, bwd_ms, stage_ms[0],
+          stage_ms[1], stage_ms[2], fb_floor_ms);
+      std::fflush(stdout);
+      out << "chunk_fwdbwd_" << gate_name(gate) << "\t" << sh.B << "x" << sh.T << "\t" << fb_ms
+          << "\t" << fb_floor_ms << "\n";
     }
   }
 
@@ -664,7 +818,7 @@ void run_bench(const std::string& out_path) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool check = false, bench = false, profile = false;
+  bool check = false, bench = false, profile = false, small = false;
   std::string out_path = "kda_gpu_bench.tsv";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -674,14 +828,17 @@ int main(int argc, char** argv) {
       bench = true;
     else if (a == "--profile")
       profile = true;
+    else if (a == "--small")
+      small = true;
     else if (a == "--out" && i + 1 < argc)
       out_path = argv[++i];
     else {
-      std::fprintf(stderr, "usage: kda_gpu_check [--check] [--bench] [--out FILE]\n");
+      std::fprintf(stderr,
+                   "usage: kda_gpu_check [--check] [--small] [--bench] [--profile] [--out FILE]\n");
       return 2;
     }
   }
-  if (!check && !bench && !profile) check = bench = true;
+  if (!check && !bench && !profile && !small) check = bench = true;
   try {
     int devices = 0;
     ck(cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
@@ -691,6 +848,10 @@ int main(int argc, char** argv) {
       const double sec =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       std::printf("CHECK summary: %d failure(s), %.1f s\n", g_failures, sec);
+    }
+    if (small) {
+      run_small();
+      std::printf("CHECK small summary: %d failure(s)\n", g_failures);
     }
     if (bench) run_bench(out_path);
     if (profile) run_profile();

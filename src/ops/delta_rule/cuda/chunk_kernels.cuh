@@ -7,6 +7,12 @@
 // 2. chunk_state (sequential over chunks, parallel over sequences x value heads x 32-column
 //    state tiles): D = U - W S0, O = Qt S0 + M D, S = exp(G_C) S0 + Kd^T D.
 // Rows of a chunk past its sequence's end are zero in every workspace array.
+//
+// The backward (chunk_backward.cu) runs both forward kernels again with the optional outputs
+// below switched on, then
+// 3. chunk_state_bwd (sequential over chunks, backwards): dD = M^T dO + Kd dS and
+//    dS <- exp(G_C) dS + Qt^T dO - W^T dD; writes dS (leaving each chunk) and dD.
+// 4. chunk_bwd_local (parallel over chunks x value heads): every input gradient of the chunk.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -31,20 +37,44 @@ struct ChunkWorkspace {
   __nv_bfloat16 *W, *Qt, *Kd, *U, *M;  // [num_chunks, HV, C, K|V|C]
   float* gC;                           // [num_chunks, HV, K]
   int64_t num_chunks;
+  // Optional (backward only; null in the plain forward):
+  __nv_bfloat16* X = nullptr;   // prepare: (I + L)^-1, [num_chunks, HV, C, C], zero above diag
+  __nv_bfloat16* A = nullptr;   // prepare: decayed K K^T, strictly lower, [num_chunks, HV, C, C]
+  __nv_bfloat16* S0 = nullptr;  // state: state entering each chunk, [num_chunks, HV, K, V]
+  __nv_bfloat16* D = nullptr;   // state: D = U - W S0, [num_chunks, HV, C, V]
 };
 
 struct ChunkTokens {
   const __nv_bfloat16 *q, *k, *v, *g, *beta;
-  __nv_bfloat16* o;
+  __nv_bfloat16* o;  // may be null (backward recompute)
   const float* h0;
   float* ht;
   int H, HV;
   float scale;
 };
 
+// Backward-only buffers and outputs (token-major like the inputs).
+struct ChunkGrads {
+  const __nv_bfloat16* dO;  // [tokens, HV, V]
+  const float* dht;         // [N, HV, K, V] or null
+  float* dh0;               // [N, HV, K, V] or null
+  __nv_bfloat16* dS;       // workspace: gradient of the state leaving each chunk [chunks, HV, K, V]
+  __nv_bfloat16* dD;       // workspace: [chunks, HV, C, V]
+  __nv_bfloat16 *dq, *dk;  // [tokens, H, K] (written directly when HV == H)
+  float *dq_part, *dk_part;        // [tokens, HV, K] per value head (HV != H), then summed
+  __nv_bfloat16 *dv, *dg, *dbeta;  // [tokens, HV, V], like g (null for Gate::none), [tokens, HV]
+};
+
 void launch_chunk_prepare(const ChunkTokens& x, const ChunkWorkspace& ws, Gate gate, int K, int V,
                           cudaStream_t stream);
 void launch_chunk_state(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, int K,
                         int V, cudaStream_t stream);
+void launch_chunk_state_bwd(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd,
+                            int64_t num_seqs, int K, int V, cudaStream_t stream);
+void launch_chunk_bwd_local(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd,
+                            Gate gate, int K, int V, cudaStream_t stream);
+// dq/dk [tokens, H, K] (bf16) = sum over each group's value heads of the fp32 partials.
+void launch_sum_group_grads(const ChunkGrads& gd, int64_t tokens, int H, int HV, int K,
+                            cudaStream_t stream);
 
 }  // namespace kda::ops::cuda_detail

@@ -235,8 +235,12 @@ __global__ void __launch_bounds__(kThreads, 2)
             v1 = j + 1 <= r ? v1 * x.scale : 0.f;
             *reinterpret_cast<uint32_t*>(ws.M + (row_base + r) * C + j) = pack_bf16(v0, v1);
           } else {
-            v0 = j < r ? v0 * sBeta[r] : 0.f;
-            v1 = j + 1 < r ? v1 * sBeta[r] : 0.f;
+            v0 = j < r ? v0 : 0.f;
+            v1 = j + 1 < r ? v1 : 0.f;
+            if (ws.A)  // backward: the decayed K K^T before beta
+              *reinterpret_cast<uint32_t*>(ws.A + (row_base + r) * C + j) = pack_bf16(v0, v1);
+            v0 *= sBeta[r];
+            v1 *= sBeta[r];
             *reinterpret_cast<float2*>(sL + r * LDL + j) = make_float2(v0, v1);
           }
         }
@@ -286,7 +290,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   for (int idx = tid; idx < C * C; idx += kThreads) {
     const int i = idx / C, j = idx % C;
-    sT[i * LDT + j] = __float2bfloat16_rn(j <= i ? sX[i * LDL + j] * sBeta[j] : 0.f);
+    const float xv = j <= i ? sX[i * LDL + j] : 0.f;
+    sT[i * LDT + j] = __float2bfloat16_rn(xv * sBeta[j]);
+    if (ws.X) ws.X[(row_base + i) * C + j] = __float2bfloat16_rn(xv);  // backward
   }
   __syncthreads();
 

@@ -114,9 +114,15 @@ __global__ void __launch_bounds__(128 * NT, 2 / NT)
 #pragma unroll
       for (int nt = 0; nt < BV / 8; ++nt) {
         const int r = mrow0 + 16 * mt + gr, c = cg + 8 * nt + 2 * tq;
-        *reinterpret_cast<uint32_t*>(sS + r * LDS + c) = pack_bf16(S[mt][nt][0], S[mt][nt][1]);
-        *reinterpret_cast<uint32_t*>(sS + (r + 8) * LDS + c) =
-            pack_bf16(S[mt][nt][2], S[mt][nt][3]);
+        const uint32_t lo = pack_bf16(S[mt][nt][0], S[mt][nt][1]);
+        const uint32_t hi = pack_bf16(S[mt][nt][2], S[mt][nt][3]);
+        *reinterpret_cast<uint32_t*>(sS + r * LDS + c) = lo;
+        *reinterpret_cast<uint32_t*>(sS + (r + 8) * LDS + c) = hi;
+        if (ws.S0) {  // backward: the state entering the chunk, as the products saw it
+          bf16* dst = ws.S0 + ((size_t(chunk) * x.HV + hv) * K + r) * V + col0 + c;
+          *reinterpret_cast<uint32_t*>(dst) = lo;
+          *reinterpret_cast<uint32_t*>(dst + 8 * V) = hi;
+        }
       }
     cp_async_wait<0>();
     __syncthreads();
@@ -148,8 +154,11 @@ __global__ void __launch_bounds__(128 * NT, 2 / NT)
       for (int half = 0; half < 2; ++half) {
         const int r = 16 * warp + gr + 8 * half, c = cg + 8 * nt + 2 * tq;
         const float2 u = unpack_bf16(*reinterpret_cast<const uint32_t*>(sU + r * LDS + c));
-        *reinterpret_cast<uint32_t*>(sD + r * LDS + c) =
-            pack_bf16(u.x - accD[nt][2 * half], u.y - accD[nt][2 * half + 1]);
+        const uint32_t d = pack_bf16(u.x - accD[nt][2 * half], u.y - accD[nt][2 * half + 1]);
+        *reinterpret_cast<uint32_t*>(sD + r * LDS + c) = d;
+        if (ws.D)  // backward
+          *reinterpret_cast<uint32_t*>(ws.D + ((size_t(chunk) * x.HV + hv) * C + r) * V + col0 +
+                                       c) = d;
       }
     }
     __syncthreads();
@@ -178,7 +187,7 @@ __global__ void __launch_bounds__(128 * NT, 2 / NT)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = 16 * warp + gr + 8 * half, c = col0 + cg + 8 * nt + 2 * tq;
-        if (r < len)
+        if (r < len && x.o)
           *reinterpret_cast<uint32_t*>(x.o + (size_t(tok0 + r) * x.HV + hv) * V + c) =
               pack_bf16(accP[nt][2 * half], accP[nt][2 * half + 1]);
       }

@@ -51,6 +51,29 @@ size_t chunk_forward_workspace_bytes(const DeltaRuleShape& shape,
 void chunk_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void* workspace,
                    size_t workspace_bytes, cudaStream_t stream);
 
+// Backward of chunk_forward (bf16 inputs only): gradients of sum(o * d_o) + sum(ht * d_ht)
+// with respect to q, k, v, g, beta and h0. Recomputes the forward's chunk quantities and the
+// state entering every chunk, walks the chunks backwards carrying dS, then computes each
+// chunk's gradients in parallel (see chunk_kernels.cuh). Supported: K = V in {64, 128}; the KDA
+// gate precondition of chunk_forward applies. d_o [B, T, HV, V] (bf16); d_ht fp32 [N, HV, K, V]
+// or null (zero). Gradients have the inputs' layouts and element type (bf16), dh0 fp32;
+// dg is not written for Gate::none and may be null then; dh0 may be null. `workspace` must
+// hold chunk_backward_workspace_bytes(...) bytes (forward workspace + per-chunk states and
+// their gradients, ~4 * K * V bytes per chunk and value head).
+struct DeltaRuleDeviceGrads {
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  void* dg = nullptr;
+  void* dbeta = nullptr;
+  float* dh0 = nullptr;
+};
+size_t chunk_backward_workspace_bytes(const DeltaRuleShape& shape,
+                                      std::span<const int64_t> cu_seqlens);
+void chunk_backward(const DeltaRuleDeviceInputs& in, const void* d_o, const float* d_ht,
+                    const DeltaRuleDeviceGrads& grads, void* workspace, size_t workspace_bytes,
+                    cudaStream_t stream);
+
 // The recurrence token by token (one block per sequence, value head and 32-column tile of the
 // state): fp32 arithmetic throughout. Any K in {64, 128}, V a multiple of 32. `workspace` as for
 // chunk_forward, of recurrent_forward_workspace_bytes(...) bytes (it holds the sequence table).

@@ -1,0 +1,96 @@
+// Host side of the chunked backward: plans the workspace (forward arrays, then X, A, S0, dS, D,
+// dD and the grouped-head partials) and queues
+//   chunk_prepare + chunk_state (forward again, writing X, A, S0, D; no o, no ht),
+//   chunk_state_bwd (dS, dD, dh0), chunk_bwd_local (dq, dk, dv, dg, dbeta),
+//   and, for grouped value heads, the sum of the per-value-head dq / dk.
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "core/error.h"
+#include "ops/delta_rule/cuda/chunk_kernels.cuh"
+#include "ops/delta_rule/cuda/chunk_plan.h"
+#include "ops/delta_rule/cuda/delta_rule_cuda.h"
+#include "ops/delta_rule/cuda/device_common.cuh"
+
+namespace kda::ops::cuda {
+
+using namespace kda::ops::cuda_detail;
+
+size_t chunk_backward_workspace_bytes(const DeltaRuleShape& shape,
+                                      std::span<const int64_t> cu_seqlens) {
+  shape.validate();
+  return make_chunk_plan(shape, cu_seqlens, true).total_bytes;
+}
+
+void chunk_backward(const DeltaRuleDeviceInputs& in, const void* d_o, const float* d_ht,
+                    const DeltaRuleDeviceGrads& grads, void* workspace, size_t workspace_bytes,
+                    cudaStream_t stream) {
+  const DeltaRuleShape& s = in.shape;
+  s.validate();
+  require(in.dtype == ElementType::bf16, "delta rule (cuda backward): bf16 inputs only");
+  require(s.K == s.V && (s.K == 64 || s.K == 128),
+          "delta rule (cuda backward): supports K = V in {64, 128}, got K=" + std::to_string(s.K) +
+              " V=" + std::to_string(s.V));
+  require(in.q && in.k && in.v && in.beta && d_o,
+          "delta rule (cuda backward): q, k, v, beta and d_o must be non-null");
+  require(grads.dq && grads.dk && grads.dv && grads.dbeta,
+          "delta rule (cuda backward): dq, dk, dv and dbeta must be non-null");
+  require(s.gate == Gate::none || (in.g && grads.dg),
+          "delta rule (cuda backward): g and dg must be non-null for gated rules");
+  require(s.HV <= 65535, "delta rule (cuda backward): HV too large");
+  const ChunkPlan plan = make_chunk_plan(s, in.cu_seqlens, true);
+  require(plan.num_seqs <= 65535, "delta rule (cuda backward): at most 65535 sequences per call");
+  require(workspace && workspace_bytes >= plan.total_bytes,
+          "delta rule (cuda backward): workspace too small (" + std::to_string(workspace_bytes) +
+              " < " + std::to_string(plan.total_bytes) + " bytes)");
+
+  const ChunkWorkspace ws = bind_chunk_workspace(plan, workspace, stream);
+  char* base = static_cast<char*>(workspace);
+
+  ChunkTokens x{};
+  x.q = static_cast<const __nv_bfloat16*>(in.q);
+  x.k = static_cast<const __nv_bfloat16*>(in.k);
+  x.v = static_cast<const __nv_bfloat16*>(in.v);
+  x.g = static_cast<const __nv_bfloat16*>(in.g);
+  x.beta = static_cast<const __nv_bfloat16*>(in.beta);
+  x.o = nullptr;
+  x.h0 = in.h0;
+  x.ht = nullptr;
+  x.H = int(s.H);
+  x.HV = int(s.HV);
+  x.scale = float(s.effective_scale());
+
+  ChunkGrads gd{};
+  gd.dO = static_cast<const __nv_bfloat16*>(d_o);
+  gd.dht = d_ht;
+  gd.dh0 = grads.dh0;
+  gd.dS = reinterpret_cast<__nv_bfloat16*>(base + plan.off_ds);
+  gd.dD = reinterpret_cast<__nv_bfloat16*>(base + plan.off_dd);
+  gd.dq = static_cast<__nv_bfloat16*>(grads.dq);
+  gd.dk = static_cast<__nv_bfloat16*>(grads.dk);
+  gd.dq_part = plan.off_dq ? reinterpret_cast<float*>(base + plan.off_dq) : nullptr;
+  gd.dk_part = plan.off_dk ? reinterpret_cast<float*>(base + plan.off_dk) : nullptr;
+  gd.dv = static_cast<__nv_bfloat16*>(grads.dv);
+  gd.dg = static_cast<__nv_bfloat16*>(grads.dg);
+  gd.dbeta = static_cast<__nv_bfloat16*>(grads.dbeta);
+
+  const int K = int(s.K), V = int(s.V);
+  // Kernel-lab knob: KDA_BWD_STAGES=recompute|state|local runs one stage alone (for timing only;
+  // the gradients are then incomplete). Unset in normal use.
+  const char* only = std::getenv("KDA_BWD_STAGES");
+  auto run = [&](const char* stage) { return !only || std::strcmp(only, stage) == 0; };
+  if (run("recompute")) {
+    launch_chunk_prepare(x, ws, s.gate, K, V, stream);
+    launch_chunk_state(x, ws, plan.num_seqs, K, V, stream);
+  }
+  if (run("state")) launch_chunk_state_bwd(x, ws, gd, plan.num_seqs, K, V, stream);
+  if (run("local")) {
+    launch_chunk_bwd_local(x, ws, gd, s.gate, K, V, stream);
+    if (gd.dq_part) launch_sum_group_grads(gd, plan.tokens, int(s.H), int(s.HV), K, stream);
+  }
+}
+
+}  // namespace kda::ops::cuda

@@ -1,0 +1,793 @@
+// chunk_bwd_local: every input gradient of one chunk, once chunk_state_bwd has produced the
+// gradient dS of the state leaving it and dD. One block of 256 threads (8 warps) per (chunk,
+// value head). With S0 the entering state, X = (I + L)^-1, A = decayed K K^T (strictly lower),
+// E = exp(G), G the in-chunk gate cumsum and dO' = scale dO (the algebra of
+// ../cpu/delta_rule_chunk_backward.cpp, regrouped so that no exp(-G) is ever formed alone):
+//   1. dq  = E * (dO' S0^T);   b = exp(G_C - G) * (D dS^T);   dAqk = tril(dO' D^T);
+//      dG_C = exp(G_C) * rowsum(dS * S0) + colsum(k * b)
+//   2. dVb = X^T dD (dv = beta dVb);  R = beta (V - Kt S0);  a = -beta E (dVb S0^T);
+//      dTm = dD R^T
+//   3. dL = -X^T dTm X^T (strictly lower);  dAkk = beta dL
+//   4. pairwise (decay exp(G_i - G_j), j <= i):  dq_i += sum_j dAqk_ij k_j,
+//      a_i += sum_j dAkk_ij k_j,  b_j += sum_i (dAqk_ij q_i + dAkk_ij k_i)
+//   5. dk = a + b,  dG = q dq + k (a - b),  dg_t = dG_C + sum_{i >= t} dG_i (KDA: pairwise
+//      part of dG summed from the nearer end of the chunk),
+//      dbeta = rowsum(dL * A) + rowsum(dVb * v) - rowsum((dVb S0^T) * Kt)
+// KDA's pairwise decays use chunk_prepare's anchors (first row of each 16-row block): the
+// operands carry factors <= 1 or bounded by 15 tokens of decay. Scalar gates fold the decay
+// into dAqk / dAkk. Products on bf16 tensor cores with fp32 accumulation; G, dq, dk, dG fp32.
+
+#include "ops/delta_rule/cuda/chunk_kernels.cuh"
+#include "ops/delta_rule/cuda/device_common.cuh"
+
+namespace kda::ops::cuda_detail {
+namespace {
+
+using bf16 = __nv_bfloat16;
+constexpr int C = kChunk;
+constexpr int kThreads = 256;
+constexpr float kLog2e = 1.4426950408889634f;
+
+constexpr size_t cmax(size_t a, size_t b) {
+  return a > b ? a : b;
+}
+
+template <Gate GATE, int K, int V>
+struct LocalLayout {
+  static constexpr int LDK = K + 8, LDV = V + 8, LDC = C + 8, LDG = K + 4;
+  static constexpr int LDT = cmax(LDK, LDV);  // step 2 / 4 tiles hold C x K or C x V
+  static constexpr size_t tile_c = size_t(C) * LDC * 2, tile_k = size_t(C) * LDK * 2;
+  static constexpr size_t tile_v = size_t(C) * LDV * 2, tile_t = size_t(C) * LDT * 2;
+  static constexpr size_t bytes_s = size_t(K) * LDV * 2;
+  // S0 (steps 1-2), then dG (fp32, step 5)
+  static constexpr size_t off_s0 = 0, bytes_s0 = cmax(bytes_s, size_t(C) * LDG * 4);
+  static constexpr size_t off_g = off_s0 + bytes_s0;
+  static constexpr size_t bytes_g = GATE == Gate::channel ? size_t(C) * LDG * 4 : C * 4;
+  static constexpr size_t off_q = off_g + bytes_g, off_k = off_q + tile_k;
+  static constexpr size_t off_x = off_k + tile_k, off_a = off_x + tile_c;
+  static constexpr size_t off_daqk = off_a + tile_c;
+  // step 1: dS, dO, D; step 2: dD, v | dTm, dVb | tmp, R; step 4: Qs, Ks, Kn in tiles 0, 3, 1
+  static constexpr size_t off_big = off_daqk + tile_c;
+  static constexpr size_t bytes_big = cmax(bytes_s + 2 * tile_v, 4 * tile_t);
+  static constexpr size_t off_small = off_big + bytes_big;
+  // small: beta[C], dbeta[C], dGC[K], F[6][K]
+  static constexpr size_t total = off_small + (2 * C + 7 * K) * 4;
+};
+
+// mma accumulator element e of n-tile nt: row 16 * m_blk + gr (+8 for e >= 2), column
+// n0 + 8 * nt + 2 * tq (+1 for odd e).
+struct Frag {
+  int gr, tq;
+  __device__ int row(int m0, int e) const { return m0 + gr + (e >> 1) * 8; }
+  __device__ int col(int n0, int nt, int e) const { return n0 + 8 * nt + 2 * tq + (e & 1); }
+};
+
+__device__ __forceinline__ float bf(const bf16* p) {
+  return __bfloat162float(*p);
+}
+
+// Row sums of per-thread partials (rows gr and gr + 8) over the 4 lanes of a quad, then one
+// shared-memory atomic per row and quad.
+__device__ __forceinline__ void add_rows(float* dst, int r0, float lo, float hi, int tq) {
+  lo += __shfl_xor_sync(0xffffffffu, lo, 1);
+  lo += __shfl_xor_sync(0xffffffffu, lo, 2);
+  hi += __shfl_xor_sync(0xffffffffu, hi, 1);
+  hi += __shfl_xor_sync(0xffffffffu, hi, 2);
+  if (tq == 0) {
+    atomicAdd(dst + r0, lo);
+    atomicAdd(dst + r0 + 8, hi);
+  }
+}
+
+template <Gate GATE, int K, int V>
+__global__ void __launch_bounds__(kThreads, 1)
+    chunk_bwd_local_kernel(const ChunkTokens x, const ChunkWorkspace ws, const ChunkGrads gd) {
+  using L = LocalLayout<GATE, K, V>;
+  constexpr int LDK = L::LDK, LDV = L::LDV, LDC = L::LDC, LDG = L::LDG, LDT = L::LDT;
+  constexpr bool kChannel = GATE == Gate::channel;
+  constexpr int NTK = K / 16, NTV = V / 16;  // n8-tiles per warp (each warp: half the columns)
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* sS0 = reinterpret_cast<bf16*>(smem + L::off_s0);
+  float* sdG = reinterpret_cast<float*>(smem + L::off_s0);
+  float* sG = reinterpret_cast<float*>(smem + L::off_g);
+  bf16* sq = reinterpret_cast<bf16*>(smem + L::off_q);
+  bf16* sk = reinterpret_cast<bf16*>(smem + L::off_k);
+  bf16* sX = reinterpret_cast<bf16*>(smem + L::off_x);
+  bf16* sA = reinterpret_cast<bf16*>(smem + L::off_a);  // A, then dAkk (in place)
+  bf16* sdAqk = reinterpret_cast<bf16*>(smem + L::off_daqk);
+  unsigned char* big = smem + L::off_big;
+  bf16* sdS = reinterpret_cast<bf16*>(big);
+  bf16* sdO = reinterpret_cast<bf16*>(big + L::bytes_s);
+  bf16* sD = reinterpret_cast<bf16*>(big + L::bytes_s + L::tile_v);
+  bf16* t0 = reinterpret_cast<bf16*>(big);  // step 2+ tiles
+  bf16* t1 = reinterpret_cast<bf16*>(big + L::tile_t);
+  bf16* t2 = reinterpret_cast<bf16*>(big + 2 * L::tile_t);
+  bf16* t3 = reinterpret_cast<bf16*>(big + 3 * L::tile_t);
+  float* sBeta = reinterpret_cast<float*>(smem + L::off_small);
+  float* sdBeta = sBeta + C;
+  float* sdGC = sdBeta + C;
+  float* sF = sdGC + K;
+
+  const int64_t chunk = blockIdx.x;
+  const int hv = blockIdx.y;
+  const int h = hv / (x.HV / x.H);
+  const int64_t tok0 = ws.chunk_tok0[chunk];
+  const int len = int(ws.chunk_len[chunk]);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp & 3, wn = warp >> 2;
+  const Frag fr{lane >> 2, lane & 3};
+  const int gr = fr.gr, tq = fr.tq;
+  const size_t ch = size_t(chunk) * x.HV + hv;
+  const int m0 = 16 * wm;       // this warp's 16 output rows
+  const int kb = wn * (K / 2);  // its C x K columns
+  const int vb = wn * (V / 2);  // its C x V columns
+  const int cb = wn * 32;       // its C x C columns
+
+  // ---- loads: q, k, dO (token rows, zero past the end), X, A, S0, dS, D (workspace) ----
+  for (int idx = tid; idx < C * K / 8; idx += kThreads) {
+    const int i = idx / (K / 8), c = (idx % (K / 8)) * 8;
+    if (i < len) {
+      cp_async16(sq + i * LDK + c, x.q + (size_t(tok0 + i) * x.H + h) * K + c);
+      cp_async16(sk + i * LDK + c, x.k + (size_t(tok0 + i) * x.H + h) * K + c);
+    } else {
+      *reinterpret_cast<uint4*>(sq + i * LDK + c) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(sk + i * LDK + c) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  for (int idx = tid; idx < C * V / 8; idx += kThreads) {
+    const int i = idx / (V / 8), c = (idx % (V / 8)) * 8;
+    if (i < len)
+      cp_async16(sdO + i * LDV + c, gd.dO + (size_t(tok0 + i) * x.HV + hv) * V + c);
+    else
+      *reinterpret_cast<uint4*>(sdO + i * LDV + c) = make_uint4(0, 0, 0, 0);
+    cp_async16(sD + i * LDV + c, ws.D + (ch * C + i) * V + c);
+  }
+  for (int idx = tid; idx < C * C / 8; idx += kThreads) {
+    const int i = idx / (C / 8), c = (idx % (C / 8)) * 8;
+    cp_async16(sX + i * LDC + c, ws.X + (ch * C + i) * C + c);
+    cp_async16(sA + i * LDC + c, ws.A + (ch * C + i) * C + c);
+  }
+  for (int idx = tid; idx < K * V / 8; idx += kThreads) {
+    const int i = idx / (V / 8), c = (idx % (V / 8)) * 8;
+    cp_async16(sS0 + i * LDV + c, ws.S0 + (ch * K + i) * V + c);
+    cp_async16(sdS + i * LDV + c, gd.dS + (ch * K + i) * V + c);
+  }
+  cp_async_commit();
+
+  // gate cumulative sums in log2 units (as chunk_prepare); rows past the end repeat the last
+  if (tid < C) {
+    sBeta[tid] = tid < len ? to_f32(x.beta[size_t(tok0 + tid) * x.HV + hv]) : 0.f;
+    sdBeta[tid] = 0.f;
+  }
+  for (int c = tid; c < K; c += kThreads) sdGC[c] = 0.f;
+  if constexpr (kChannel) {
+    constexpr int kSegs = kThreads / K, kRows = C / kSegs;
+    const int c = tid % K, seg = tid / K;
+    float run = 0.f;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int i = seg * kRows + r;
+      run += i < len ? to_f32(x.g[(size_t(tok0 + i) * x.HV + hv) * K + c]) * kLog2e : 0.f;
+      sG[i * LDG + c] = run;
+    }
+    __syncthreads();
+    float offset = 0.f;
+    for (int s = 0; s < seg; ++s) offset += sG[((s + 1) * kRows - 1) * LDG + c];
+    __syncthreads();
+    if (seg > 0) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) sG[(seg * kRows + r) * LDG + c] += offset;
+    }
+  } else if constexpr (GATE == Gate::scalar) {
+    if (warp == 0) {
+      const int i0 = 2 * lane, i1 = 2 * lane + 1;
+      const float x0 = i0 < len ? to_f32(x.g[size_t(tok0 + i0) * x.HV + hv]) * kLog2e : 0.f;
+      const float x1 = i1 < len ? to_f32(x.g[size_t(tok0 + i1) * x.HV + hv]) * kLog2e : 0.f;
+      float scan = x0 + x1;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const float up = __shfl_up_sync(0xffffffffu, scan, off);
+        if (lane >= off) scan += up;
+      }
+      sG[i1] = scan;
+      sG[i0] = scan - x1;
+    }
+  } else {
+    if (tid < C) sG[tid] = 0.f;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // G (log2 units) at (row, channel), and at the chunk's last token
+  auto gat = [&](int i, int c) -> float {
+    if constexpr (kChannel) return sG[i * LDG + c];
+    return sG[i];
+  };
+  const int last = len - 1;
+
+  float dq[NTK][4], dk[NTK][4], dG[NTK][4];
+
+  // ---- step 1 ----
+  {
+    // 1a: dq = scale E (dO S0^T)
+    float acc[NTK][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < V / 16; ++kk) {
+      uint32_t a[4];
+      load_a(a, sdO, LDV, m0, 16 * kk, lane);
+#pragma unroll
+      for (int np = 0; np < NTK / 2; ++np) {
+        uint32_t b[4];
+        load_b_nk(b, sS0, LDV, 16 * kk, kb + 16 * np, lane);
+        mma_bf16(acc[2 * np], a, b[0], b[1]);
+        mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NTK; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = fr.row(m0, e), c = fr.col(kb, nt, e);
+        dq[nt][e] = x.scale * fast_exp2(gat(r, c)) * acc[nt][e];
+      }
+  }
+  {
+    // 1b: b = exp(G_C - G) (D dS^T); dk = b, dG = -k b, dG_C += colsum(k b)
+    float acc[NTK][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < V / 16; ++kk) {
+      uint32_t a[4];
+      load_a(a, sD, LDV, m0, 16 * kk, lane);
+#pragma unroll
+      for (int np = 0; np < NTK / 2; ++np) {
+        uint32_t b[4];
+        load_b_nk(b, sdS, LDV, 16 * kk, kb + 16 * np, lane);
+        mma_bf16(acc[2 * np], a, b[0], b[1]);
+        mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NTK; ++nt) {
+      float colsum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = fr.row(m0, e), c = fr.col(kb, nt, e);
+        const float bv = fast_exp2(gat(last, c) - gat(r, c)) * acc[nt][e];
+        const float kv = bf(sk + r * LDK + c);
+        dk[nt][e] = bv;
+        dG[nt][e] = -kv * bv;
+        colsum[e & 1] += kv * bv;
+      }
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        float v = colsum[p];
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        if (gr == 0) atomicAdd(sdGC + kb + 8 * nt + 2 * tq + p, v);
+      }
+    }
+  }
+  {
+    // 1c: dAqk = tril(scale dO D^T) (scalar gates: times exp(G_i - G_j))
+    float acc[4][4] = {};
+#pragma unroll
+    for (int np = 0; np < 2; ++np) {
+      if (2 * wn + np > wm) continue;  // blocks above the diagonal stay zero
+#pragma unroll
+      for (int kk = 0; kk < V / 16; ++kk) {
+        uint32_t a[4], b[4];
+        load_a(a, sdO, LDV, m0, 16 * kk, lane);
+        load_b_nk(b, sD, LDV, 16 * kk, cb + 16 * np, lane);
+        mma_bf16(acc[2 * np], a, b[0], b[1]);
+        mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int r = fr.row(m0, e), j = fr.col(cb, nt, e);
+        float v0 = j <= r ? x.scale * acc[nt][e] : 0.f;
+        float v1 = j + 1 <= r ? x.scale * acc[nt][e + 1] : 0.f;
+        if constexpr (GATE == Gate::scalar) {
+          if (j <= r) v0 *= fast_exp2(sG[r] - sG[j]);
+          if (j + 1 <= r) v1 *= fast_exp2(sG[r] - sG[j + 1]);
+        }
+        *reinterpret_cast<uint32_t*>(sdAqk + r * LDC + j) = pack_bf16(v0, v1);
+      }
+  }
+  {
+    // 1d: dG_C += exp(G_C) rowsum(dS * S0)
+    constexpr int kPer = kThreads / K;  // threads per state row (2 or 4, adjacent lanes)
+    const int r = tid / kPer, part = tid % kPer;
+    float s = 0.f;
+    for (int c = part * (V / kPer); c < (part + 1) * (V / kPer); c += 2) {
+      const float2 a = unpack_bf16(*reinterpret_cast<const uint32_t*>(sdS + r * LDV + c));
+      const float2 b = unpack_bf16(*reinterpret_cast<const uint32_t*>(sS0 + r * LDV + c));
+      s += a.x * b.x + a.y * b.y;
+    }
+#pragma unroll
+    for (int off = 1; off < kPer; off <<= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    if (part == 0) atomicAdd(sdGC + r, fast_exp2(gat(last, r)) * s);
+  }
+  __syncthreads();
+
+  // ---- step 2: dD -> t0, v -> t1 ----
+  bf16* sdD = t0;
+  bf16* sv = t1;
+  for (int idx = tid; idx < C * V / 8; idx += kThreads) {
+    const int i = idx / (V / 8), c = (idx % (V / 8)) * 8;
+    cp_async16(sdD + i * LDT + c, gd.dD + (ch * C + i) * V + c);
+    if (i < len)
+      cp_async16(sv + i * LDT + c, x.v + (size_t(tok0 + i) * x.HV + hv) * V + c);
+    else
+      *reinterpret_cast<uint4*>(sv + i * LDT + c) = make_uint4(0, 0, 0, 0);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  bf16* sdVb = t2;
+  bf16* sR = t3;
+  {
+    // 2a: dVb = X^T dD; dv = beta dVb; dbeta += rowsum(dVb * v)
+    float acc[NTV][4] = {};
+    for (int I = wm; I < C / 16; ++I) {
+      uint32_t a[4];
+      load_a_trans(a, sX, LDC, m0, 16 * I, lane);
+#pragma unroll
+      for (int np = 0; np < NTV / 2; ++np) {
+        uint32_t b[4];
+        load_b_kn(b, sdD, LDT, 16 * I, vb + 16 * np, lane);
+        mma_bf16(acc[2 * np], a, b[0], b[1]);
+        mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+    float rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < NTV; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int r = fr.row(m0, e), c = fr.col(vb, nt, e);
+        const float d0 = acc[nt][e], d1 = acc[nt][e + 1];
+        const float2 vv = unpack_bf16(*reinterpret_cast<const uint32_t*>(sv + r * LDT + c));
+        rs[e >> 1] += d0 * vv.x + d1 * vv.y;
+        *reinterpret_cast<uint32_t*>(sdVb + r * LDT + c) = pack_bf16(d0, d1);
+        if (r < len)
+          *reinterpret_cast<uint32_t*>(gd.dv + (size_t(tok0 + r) * x.HV + hv) * V + c) =
+              pack_bf16(sBeta[r] * d0, sBeta[r] * d1);
+      }
+    add_rows(sdBeta, m0 + gr, rs[0], rs[1], tq);
+  }
+  {
+    // 2b: R = beta (v - Kt S0), Kt = k E (A fragments scaled on the fly)
+    float acc[NTV][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+      uint32_t a[4];
+      load_a(a, sk, LDK, m0, 16 * kk, lane);
+      if constexpr (GATE != Gate::none) {
+        const int r0 = m0 + gr, c0 = 16 * kk + 2 * tq;
+        a[0] = scale_bf16x2(a[0], fast_exp2(gat(r0, c0)), fast_exp2(gat(r0, c0 + 1)));
+        a[1] = scale_bf16x2(a[1], fast_exp2(gat(r0 + 8, c0)), fast_exp2(gat(r0 + 8, c0 + 1)));
+        a[2] = scale_bf16x2(a[2], fast_exp2(gat(r0, c0 + 8)), fast_exp2(gat(r0, c0 + 9)));
+        a[3] = scale_bf16x2(a[3], fast_exp2(gat(r0 + 8, c0 + 8)), fast_exp2(gat(r0 + 8, c0 + 9)));
+      }
+#pragma unroll
+      for (int np = 0; np < NTV / 2; ++np) {
+        uint32_t b[4];
+        load_b_kn(b, sS0, LDV, 16 * kk, vb + 16 * np, lane);
+        mma_bf16(acc[2 * np], a, b[0], b[1]);
+        mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NTV; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int r = fr.row(m0, e), c = fr.col(vb, nt, e);
+        const float2 vv = unpack_bf16(*reinterpret_cast<const uint32_t*>(sv + r * LDT + c));
+        *reinterpret_cast<uint32_t*>(sR + r * LDT + c) =
+            pack_bf16(sBeta[r] * (vv.x - acc[nt][e]), sBeta[r] * (vv.y - acc[nt][e + 1]));
+      }
+  }
+  __syncthreads();
+  bf16* sdTm = t1;  // v is dead
+  {
+    // 2d: a = -beta E (dVb S0^T); dbeta -= rowsum((dVb S0^T) * Kt)
+    float acc[NTK][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < V / 16; ++kk) {
+      uint32_t a[4];
+      load_a(a, sdVb, LDT, m0, 16 * kk, lane);
+#pragma unroll
+      for (int np = 0; np < NTK / 2; ++np) {
+        uint32_t b[4];
+        load_b_nk(b, sS0, LDV, 16 * kk, kb + 16 * np, lane);
+        mma_bf16(acc[2 * np], a, b[0], b[1]);
+        mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+    float rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < NTK; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = fr.row(m0, e), c = fr.col(kb, nt, e);
+        const float E = fast_exp2(gat(r, c)), kv = bf(sk + r * LDK + c);
+        rs[e >> 1] -= acc[nt][e] * kv * E;
+        const float av = -sBeta[r] * E * acc[nt][e];
+        dk[nt][e] += av;
+        dG[nt][e] += kv * av;
+      }
+    add_rows(sdBeta, m0 + gr, rs[0], rs[1], tq);
+  }
+  {
+    // 2e: dTm = dD R^T (full C x C)
+    float acc[4][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < V / 16; ++kk) {
+      uint32_t a[4];
+      load_a(a, sdD, LDT, m0, 16 * kk, lane);
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        uint32_t b[4];
+        load_b_nk(b, sR, LDT, 16 * kk, cb + 16 * np, lane);
+        mma_bf16(acc[2 * np], a, b[0], b[1]);
+        mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int r = fr.row(m0, e), j = fr.col(cb, nt, e);
+        *reinterpret_cast<uint32_t*>(sdTm + r * LDT + j) = pack_bf16(acc[nt][e], acc[nt][e + 1]);
+      }
+  }
+  __syncthreads();
+
+  // ---- step 3: tmp = X^T dTm -> t2 (dVb dead); dL = -tmp X^T; dAkk = beta dL (into sA) ----
+  bf16* sTmp = t2;
+  {
+    float acc[4][4] = {};
+    for (int P = wm; P < C / 16; ++P) {
+      uint32_t a[4];
+      load_a_trans(a, sX, LDC, m0, 16 * P, lane);
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        uint32_t b[4];
+        load_b_kn(b, sdTm, LDT, 16 * P, cb + 16 * np, lane);
+        mma_bf16(acc[2 * np], a, b[0], b[1]);
+        mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int r = fr.row(m0, e), j = fr.col(cb, nt, e);
+        *reinterpret_cast<uint32_t*>(sTmp + r * LDT + j) = pack_bf16(acc[nt][e], acc[nt][e + 1]);
+      }
+  }
+  __syncthreads();
+  // KDA operands for step 4 (t0 = Qs, t3 = Ks, t1 = Kn; dD, R, dTm are dead):
+  //   Qs_i = q_i 2^(G_i - G_a), Ks_i = k_i 2^(G_i - G_a), Kn_i = k_i 2^(G_a - G_i), a = 16 (i / 16)
+  //   F[I, J] = 2^(G_aI - G_aJ) for J < I
+  bf16* sQs = kChannel ? t0 : sq;
+  bf16* sKs = kChannel ? t3 : sk;
+  bf16* sKn = kChannel ? t1 : sk;
+  if constexpr (kChannel) {
+    for (int idx = tid; idx < C * K / 8; idx += kThreads) {
+      const int i = idx / (K / 8), c = (idx % (K / 8)) * 8;
+      float q8[8], k8[8], qs[8], ks[8], kn[8];
+      load8(sq + i * LDK + c, q8);
+      load8(sk + i * LDK + c, k8);
+      const float* gi = sG + i * LDG + c;
+      const float* ga = sG + (i & ~15) * LDG + c;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float rel = gi[e] - ga[e];
+        const float es = fast_exp2(rel);
+        qs[e] = q8[e] * es;
+        ks[e] = k8[e] * es;
+        kn[e] = k8[e] * fast_exp2(-rel);
+      }
+      store8_bf16(sQs + i * LDT + c, qs);
+      store8_bf16(sKs + i * LDT + c, ks);
+      store8_bf16(sKn + i * LDT + c, kn);
+    }
+    for (int idx = tid; idx < 6 * K; idx += kThreads) {
+      const int p = idx / K, c = idx % K;
+      const int I = p < 1 ? 1 : p < 3 ? 2 : 3;
+      const int J = p - I * (I - 1) / 2;
+      sF[idx] = fast_exp2(sG[16 * I * LDG + c] - sG[16 * J * LDG + c]);
+    }
+  }
+  {
+    float acc[4][4] = {};
+#pragma unroll
+    for (int np = 0; np < 2; ++np) {
+      const int Jb = 2 * wn + np;
+      if (Jb > wm) continue;
+      for (int Q = 0; Q <= Jb; ++Q) {  // X[j][q] = 0 for q > j
+        uint32_t a[4], b[4];
+        load_a(a, sTmp, LDT, m0, 16 * Q, lane);
+        load_b_nk(b, sX, LDC, 16 * Q, cb + 16 * np, lane);
+        mma_bf16(acc[2 * np], a, b[0], b[1]);
+        mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+    float rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int r = fr.row(m0, e), j = fr.col(cb, nt, e);
+        if (cb + 8 * nt > m0 + 15) continue;  // above the diagonal blocks: A and dAkk are 0
+        const float2 av = unpack_bf16(*reinterpret_cast<const uint32_t*>(sA + r * LDC + j));
+        const float l0 = j < r ? -acc[nt][e] : 0.f, l1 = j + 1 < r ? -acc[nt][e + 1] : 0.f;
+        rs[e >> 1] += l0 * av.x + l1 * av.y;
+        float d0 = sBeta[r] * l0, d1 = sBeta[r] * l1;
+        if constexpr (GATE == Gate::scalar) {
+          if (j < r) d0 *= fast_exp2(sG[r] - sG[j]);
+          if (j + 1 < r) d1 *= fast_exp2(sG[r] - sG[j + 1]);
+        }
+        *reinterpret_cast<uint32_t*>(sA + r * LDC + j) = pack_bf16(d0, d1);
+      }
+    add_rows(sdBeta, m0 + gr, rs[0], rs[1], tq);
+  }
+  __syncthreads();
+  const bf16* sdAkk = sA;
+  if constexpr (kChannel) {
+    // Keep the pairwise part of dG apart (see step 5): park the rest, q dq included, in the S0
+    // region (dead since 2d) and restart dG at -q dq so that step 5's "+ q dq" leaves the
+    // pairwise part alone.
+#pragma unroll
+    for (int nt = 0; nt < NTK; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = fr.row(m0, e), c = fr.col(kb, nt, e);
+        const float qd = bf(sq + r * LDK + c) * dq[nt][e];
+        sdG[r * LDG + c] = dG[nt][e] + qd;
+        dG[nt][e] = -qd;
+      }
+  }
+
+  // ---- step 4: pairwise terms ----
+  // 4a: dq_i += 2^(G_i - G_aI) sum_{J <= I} dAqk[I, J] (Kn_J F[I, J]); 4b: the same with dAkk
+  // into a (dk += a, dG += k a)
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    const bf16* dA = pass == 0 ? sdAqk : sdAkk;
+    float acc[NTK][4] = {};
+    for (int J = 0; J <= wm; ++J) {
+      uint32_t a[4];
+      load_a(a, dA, LDC, m0, 16 * J, lane);
+#pragma unroll
+      for (int np = 0; np < NTK / 2; ++np) {
+        uint32_t b[4];
+        load_b_kn(b, sKn, kChannel ? LDT : LDK, 16 * J, kb + 16 * np, lane);
+        if constexpr (kChannel) {
+          if (J < wm) {
+            const float* f = sF + (wm * (wm - 1) / 2 + J) * K + kb + 16 * np + gr;
+            b[0] = scale_bf16x2(b[0], f[0], f[0]);
+            b[1] = scale_bf16x2(b[1], f[0], f[0]);
+            b[2] = scale_bf16x2(b[2], f[8], f[8]);
+            b[3] = scale_bf16x2(b[3], f[8], f[8]);
+          }
+        }
+        mma_bf16(acc[2 * np], a, b[0], b[1]);
+        mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NTK; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = fr.row(m0, e), c = fr.col(kb, nt, e);
+        float v = acc[nt][e];
+        if constexpr (kChannel) v *= fast_exp2(sG[r * LDG + c] - sG[m0 * LDG + c]);
+        if (pass == 0) {
+          dq[nt][e] += v;
+        } else {
+          dk[nt][e] += v;
+          dG[nt][e] += bf(sk + r * LDK + c) * v;
+        }
+      }
+  }
+  {
+    // 4c: b_j += 2^(G_aJ - G_j) sum_{I >= J} (dAqk[I, J]^T Qs_I + dAkk[I, J]^T Ks_I) F[I, J]
+    float acc[NTK][4] = {};
+    for (int I = wm; I < C / 16; ++I) {
+      uint32_t aq[4], ak[4];
+      load_a_trans(aq, sdAqk, LDC, m0, 16 * I, lane);
+      load_a_trans(ak, sdAkk, LDC, m0, 16 * I, lane);
+#pragma unroll
+      for (int np = 0; np < NTK / 2; ++np) {
+        uint32_t bq[4], bk[4];
+        load_b_kn(bq, sQs, kChannel ? LDT : LDK, 16 * I, kb + 16 * np, lane);
+        load_b_kn(bk, sKs, kChannel ? LDT : LDK, 16 * I, kb + 16 * np, lane);
+        if constexpr (kChannel) {
+          if (I > wm) {
+            const float* f = sF + (I * (I - 1) / 2 + wm) * K + kb + 16 * np + gr;
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+              bq[u] = scale_bf16x2(bq[u], f[0], f[0]);
+              bk[u] = scale_bf16x2(bk[u], f[0], f[0]);
+              bq[u + 2] = scale_bf16x2(bq[u + 2], f[8], f[8]);
+              bk[u + 2] = scale_bf16x2(bk[u + 2], f[8], f[8]);
+            }
+          }
+        }
+        mma_bf16(acc[2 * np], aq, bq[0], bq[1]);
+        mma_bf16(acc[2 * np + 1], aq, bq[2], bq[3]);
+        mma_bf16(acc[2 * np], ak, bk[0], bk[1]);
+        mma_bf16(acc[2 * np + 1], ak, bk[2], bk[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NTK; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = fr.row(m0, e), c = fr.col(kb, nt, e);
+        float v = acc[nt][e];
+        if constexpr (kChannel) v *= fast_exp2(sG[m0 * LDG + c] - sG[r * LDG + c]);
+        dk[nt][e] += v;
+        dG[nt][e] -= bf(sk + r * LDK + c) * v;
+      }
+  }
+
+  // ---- step 5: dG += q dq; write dq, dk; dg by reverse cumulative sum; dbeta ----
+  // KDA: dg_t = dG_C + sum_{i >= t} (inter_i + pair_i). The pairwise terms of the chunk sum to
+  // zero (each pair adds at i what it takes at j), so sum_{i >= t} pair_i = -sum_{i < t} pair_i;
+  // the shorter side (prefix for t < C / 2) carries less bf16 rounding noise.
+  float* sdGp = reinterpret_cast<float*>(big);  // KDA: the pairwise part (step 4's tiles dead)
+  static_assert(L::bytes_big >= size_t(C) * LDG * 4, "pairwise dG tile");
+  if constexpr (kChannel) __syncthreads();
+  float* dG_out = kChannel ? sdGp : sdG;
+  const bool grouped = gd.dq_part != nullptr;
+#pragma unroll
+  for (int nt = 0; nt < NTK; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+      const int r = fr.row(m0, e), c = fr.col(kb, nt, e);
+      dG[nt][e] += bf(sq + r * LDK + c) * dq[nt][e];
+      dG[nt][e + 1] += bf(sq + r * LDK + c + 1) * dq[nt][e + 1];
+      *reinterpret_cast<float2*>(dG_out + r * LDG + c) = make_float2(dG[nt][e], dG[nt][e + 1]);
+      if (r < len) {
+        if (grouped) {
+          const size_t off = (size_t(tok0 + r) * x.HV + hv) * K + c;
+          *reinterpret_cast<float2*>(gd.dq_part + off) = make_float2(dq[nt][e], dq[nt][e + 1]);
+          *reinterpret_cast<float2*>(gd.dk_part + off) = make_float2(dk[nt][e], dk[nt][e + 1]);
+        } else {
+          const size_t off = (size_t(tok0 + r) * x.H + h) * K + c;
+          *reinterpret_cast<uint32_t*>(gd.dq + off) = pack_bf16(dq[nt][e], dq[nt][e + 1]);
+          *reinterpret_cast<uint32_t*>(gd.dk + off) = pack_bf16(dk[nt][e], dk[nt][e + 1]);
+        }
+      }
+    }
+  __syncthreads();
+  if (tid < len) gd.dbeta[size_t(tok0 + tid) * x.HV + hv] = __float2bfloat16_rn(sdBeta[tid]);
+  if constexpr (kChannel) {
+    for (int c = tid; c < K; c += kThreads) {
+      bf16* dg = gd.dg + (size_t(tok0) * x.HV + hv) * K + c;  // row i at dg[i * HV * K]
+      float inter = sdGC[c], pair = 0.f;
+      for (int i = C - 1; i >= 0; --i) {
+        inter += sdG[i * LDG + c];
+        pair += sdGp[i * LDG + c];
+        if (i >= C / 2) {
+          if (i < len) dg[size_t(i) * x.HV * K] = __float2bfloat16_rn(inter + pair);
+        } else {
+          sdG[i * LDG + c] = inter;  // suffix of the rest; the prefix pass below finishes it
+        }
+      }
+      float prefix = 0.f;
+      for (int i = 0; i < C / 2; ++i) {
+        if (i < len) dg[size_t(i) * x.HV * K] = __float2bfloat16_rn(sdG[i * LDG + c] - prefix);
+        prefix += sdGp[i * LDG + c];
+      }
+    }
+  } else if constexpr (GATE == Gate::scalar) {
+    // row totals, then a suffix sum over the 64 rows (one warp, two rows per lane)
+    float* rows = sdBeta;  // dbeta was written above; reuse after a barrier
+    __syncthreads();
+    if (tid < C) {
+      float s = 0.f;
+      for (int c = 0; c < K; ++c) s += sdG[tid * LDG + c];
+      rows[tid] = s;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      float gc = 0.f;
+      for (int c = lane; c < K; c += 32) gc += sdGC[c];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) gc += __shfl_xor_sync(0xffffffffu, gc, off);
+      // lane l owns rows 2l, 2l + 1; suffix sums via an inclusive scan from the top
+      const float r0 = rows[2 * lane], r1 = rows[2 * lane + 1];
+      float scan = r0 + r1;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const float dn = __shfl_down_sync(0xffffffffu, scan, off);
+        if (lane + off < 32) scan += dn;
+      }
+      const float s0 = scan + gc, s1 = scan - r0 + gc;  // suffix from 2l and from 2l + 1
+      if (2 * lane < len) gd.dg[size_t(tok0 + 2 * lane) * x.HV + hv] = __float2bfloat16_rn(s0);
+      if (2 * lane + 1 < len)
+        gd.dg[size_t(tok0 + 2 * lane + 1) * x.HV + hv] = __float2bfloat16_rn(s1);
+    }
+  }
+}
+
+template <Gate GATE, int K, int V>
+void launch(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd,
+            cudaStream_t stream) {
+  using L = LocalLayout<GATE, K, V>;
+  static_assert(L::total <= 227 * 1024, "chunk_bwd_local: shared memory");
+  static const bool configured = [] {
+    check_cuda(cudaFuncSetAttribute(chunk_bwd_local_kernel<GATE, K, V>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::total)),
+               "chunk_bwd_local shared memory limit");
+    return true;
+  }();
+  (void)configured;
+  const dim3 grid(unsigned(ws.num_chunks), unsigned(x.HV));
+  chunk_bwd_local_kernel<GATE, K, V><<<grid, kThreads, L::total, stream>>>(x, ws, gd);
+  check_launch("chunk_bwd_local kernel");
+}
+
+template <Gate GATE>
+void launch_kv(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd, int K, int V,
+               cudaStream_t stream) {
+  if (K == 128 && V == 128) return launch<GATE, 128, 128>(x, ws, gd, stream);
+  require(K == 64 && V == 64, "chunk_bwd_local: K = V = 64 or 128");
+  return launch<GATE, 64, 64>(x, ws, gd, stream);
+}
+
+__global__ void sum_group_grads_kernel(const float* __restrict__ dq_part,
+                                       const float* __restrict__ dk_part, bf16* dq, bf16* dk,
+                                       int64_t rows, int H, int group, int K) {
+  // one thread per 4 channels of one (token, q/k head) row
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int per_row = K / 4;
+  if (idx >= rows * per_row) return;
+  const int64_t row = idx / per_row;  // token * H + h
+  const int c = int(idx % per_row) * 4;
+  const int64_t tok = row / H;
+  const int h = int(row % H);
+  float sq[4] = {0.f, 0.f, 0.f, 0.f}, sk[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int gi = 0; gi < group; ++gi) {
+    const size_t off = (size_t(tok) * H * group + size_t(h) * group + gi) * K + c;
+    const float4 a = *reinterpret_cast<const float4*>(dq_part + off);
+    const float4 b = *reinterpret_cast<const float4*>(dk_part + off);
+    sq[0] += a.x, sq[1] += a.y, sq[2] += a.z, sq[3] += a.w;
+    sk[0] += b.x, sk[1] += b.y, sk[2] += b.z, sk[3] += b.w;
+  }
+  store4(dq + row * K + c, sq);
+  store4(dk + row * K + c, sk);
+}
+
+}  // namespace
+
+void launch_chunk_bwd_local(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd,
+                            Gate gate, int K, int V, cudaStream_t stream) {
+  switch (gate) {
+    case Gate::channel:
+      return launch_kv<Gate::channel>(x, ws, gd, K, V, stream);
+    case Gate::scalar:
+      return launch_kv<Gate::scalar>(x, ws, gd, K, V, stream);
+    case Gate::none:
+      return launch_kv<Gate::none>(x, ws, gd, K, V, stream);
+  }
+}
+
+void launch_sum_group_grads(const ChunkGrads& gd, int64_t tokens, int H, int HV, int K,
+                            cudaStream_t stream) {
+  const int64_t rows = tokens * H, threads = rows * (K / 4);
+  const int block = 256;
+  sum_group_grads_kernel<<<unsigned((threads + block - 1) / block), block, 0, stream>>>(
+      gd.dq_part, gd.dk_part, gd.dq, gd.dk, rows, H, HV / H, K);
+  check_launch("sum_group_grads kernel");
+}
+
+}  // namespace kda::ops::cuda_detail

@@ -1,0 +1,34 @@
+// Host side shared by the chunked forward and backward: the chunk plan (sequence and chunk
+// tables, workspace layout) and the pinned staging of the tables.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "ops/delta_rule/cuda/chunk_kernels.cuh"
+#include "ops/delta_rule/delta_rule.h"
+
+namespace kda::ops::cuda_detail {
+
+struct ChunkPlan {
+  std::vector<int64_t> tables;  // chunk_tok0, chunk_len, seq_chunk0, seq_nchunks, seq_bos, seq_len
+  int64_t num_seqs = 0, num_chunks = 0, tokens = 0;
+  size_t table_bytes = 0, total_bytes = 0;
+  size_t off_w = 0, off_q = 0, off_kd = 0, off_u = 0, off_m = 0, off_gc = 0;
+  // backward only (zero when planned for the forward)
+  size_t off_x = 0, off_a = 0, off_s0 = 0, off_d = 0, off_ds = 0, off_dd = 0, off_dq = 0,
+         off_dk = 0;
+};
+
+// `backward` adds the arrays the backward needs after the forward's.
+ChunkPlan make_chunk_plan(const DeltaRuleShape& s, std::span<const int64_t> cu_seqlens,
+                          bool backward);
+
+// Copies the plan's tables to the start of `workspace` (asynchronously, through a pinned buffer)
+// and returns the forward workspace view; the backward arrays are set when planned.
+ChunkWorkspace bind_chunk_workspace(const ChunkPlan& plan, void* workspace, cudaStream_t stream);
+
+}  // namespace kda::ops::cuda_detail
