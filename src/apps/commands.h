@@ -10,6 +10,7 @@ using Args = std::vector<std::string>;  // arguments after the subcommand name
 int cmd_verify(const Args& args);
 int cmd_lineage(const Args& args);
 int cmd_bench(const Args& args);
+int cmd_bench_recall(const Args& args);
 int cmd_info(const Args& args);
 int cmd_run(const Args& args);
 int cmd_tokenize(const Args& args);

@@ -1,0 +1,52 @@
+#include "train/recall.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/timer.h"
+
+namespace kda::train {
+
+RecallResult run_recall(const RecallRun& run) {
+  Stopwatch clock;
+  LineageModel model(run.model, run.seed * 7919 + 1);
+  const TestSet test = make_test_set(run.task, run.seed, run.test_examples);
+  TaskStream stream(run.task, run.seed, 0);
+  stream.forbid(test.hashes);
+  AdamWConfig opt_config;
+  opt_config.lr = run.lr;
+  opt_config.total_steps = run.steps;
+  opt_config.warmup_steps = std::max<int64_t>(1, run.steps / 10);
+  AdamW opt(model.params(), opt_config);
+  RecallResult result;
+  result.params = model.num_params();
+  double tail_loss = 0;
+  int64_t tail = 0;
+  for (int64_t step = 0; step < run.steps; ++step) {
+    const Batch b = stream.next(run.batch);
+    model.zero_grad();
+    const auto r = model.forward_backward(b.inputs.data(), b.targets.data(), b.B, b.T, true);
+    if (!std::isfinite(r.loss)) break;  // diverged: evaluate what we have
+    opt.step();
+    if (step >= run.steps - std::max<int64_t>(1, run.steps / 10)) {
+      tail_loss += r.loss;
+      ++tail;
+    }
+  }
+  result.final_loss = tail ? tail_loss / double(tail) : NAN;
+  // evaluate in slices to bound memory
+  int64_t scored = 0, correct = 0;
+  const int64_t T = test.batch.T, slice = 32;
+  for (int64_t i = 0; i < test.batch.B; i += slice) {
+    const int64_t n = std::min(slice, test.batch.B - i);
+    const auto r =
+        model.forward_backward(&test.batch.inputs[i * T], &test.batch.targets[i * T], n, T, false);
+    scored += r.scored;
+    correct += r.correct;
+  }
+  result.accuracy = scored ? double(correct) / double(scored) : 0;
+  result.seconds = clock.seconds();
+  return result;
+}
+
+}  // namespace kda::train

@@ -1,0 +1,32 @@
+// The recall benchmark's unit of work: train one model on one synthetic task, report the test
+// accuracy on the scored positions.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "train/adamw.h"
+#include "train/lineage_model.h"
+#include "train/tasks.h"
+
+namespace kda::train {
+
+struct RecallRun {
+  LineageConfig model;
+  TaskSpec task;
+  float lr = 1e-3f;
+  int64_t steps = 1000;
+  int64_t batch = 32;
+  int64_t test_examples = 256;
+  uint64_t seed = 0;
+};
+
+struct RecallResult {
+  double accuracy = 0;    // on the held-out test set
+  double final_loss = 0;  // mean train loss over the last 10% of steps
+  double seconds = 0;
+  int64_t params = 0;
+};
+
+RecallResult run_recall(const RecallRun& run);
+
+}  // namespace kda::train
