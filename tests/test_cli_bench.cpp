@@ -1,0 +1,95 @@
+// The measuring commands end to end through the built binary: they run, write their files,
+// and fail with a clear message on bad flags.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+namespace {
+
+struct CommandResult {
+  int status;
+  std::string output;
+};
+
+CommandResult run(const std::string& args) {
+  const std::string command = std::string(KDA_BINARY) + " " + args + " 2>&1";
+  FILE* pipe = popen(command.c_str(), "r");
+  std::string output;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, pipe)) output.append(buf, n);
+  const int status = pclose(pipe);
+  return {WEXITSTATUS(status), output};
+}
+
+std::string slurp(const std::filesystem::path& p) {
+  std::ifstream in(p);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+const std::filesystem::path kOut = std::filesystem::temp_directory_path() / "kda_cli_bench";
+
+TEST(CliBench, LineageWritesMarkdownAndCsvWithEveryMixer) {
+  const CommandResult r =
+      run("lineage --contexts 64,200 --heads 2 --dim 32 --out " + kOut.string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string csv = slurp(kOut / "lineage.csv");
+  for (const char* mixer :
+       {"GPT-2 recompute", "KV cache", "linear attention", "DeltaNet", "Gated DeltaNet", "KDA"}) {
+    EXPECT_NE(csv.find(mixer), std::string::npos) << mixer;
+  }
+  EXPECT_EQ(csv.find("NO ("), std::string::npos) << "decode disagrees with prefill:\n" << csv;
+  EXPECT_NE(slurp(kOut / "lineage.md").find("| KDA |"), std::string::npos);
+}
+
+TEST(CliBench, RecallWritesJsonOfEveryCell) {
+  const CommandResult r =
+      run("bench recall --quick --steps 3 --lengths 16 --mixers kda,softmax --tasks "
+          "mqar,stack --out " +
+          kOut.string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto results = nlohmann::json::parse(slurp(kOut / "recall.json"));
+  ASSERT_EQ(results.size(), 4u);
+  for (const auto& cell : results) {
+    EXPECT_TRUE(cell.contains("mixer") && cell.contains("task") && cell.contains("seq_len"));
+    const double acc = cell["accuracy"].get<double>();
+    EXPECT_GE(acc, 0.0);
+    EXPECT_LE(acc, 1.0);
+  }
+  EXPECT_NE(slurp(kOut / "recall.svg").find("<svg"), std::string::npos);
+}
+
+TEST(CliBench, VerifyPassesTheFixturesAndFailsABrokenFile) {
+  const std::string ops = std::string(KDA_SHARED_DIR) + "/fixtures/ops";
+  const CommandResult good = run("verify " + ops);
+  EXPECT_EQ(good.status, 0) << good.output;
+  EXPECT_NE(good.output.find(" 0 failed"), std::string::npos);
+  // a copy of a fixture with one byte of the output changed
+  std::filesystem::create_directories(kOut);
+  const auto broken = kOut / "broken.safetensors";
+  std::filesystem::copy_file(ops + "/gdn.safetensors", broken,
+                             std::filesystem::copy_options::overwrite_existing);
+  std::fstream f(broken, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(0, std::ios::end);
+  const auto size = f.tellg();
+  f.seekp(size - std::streamoff(3));  // inside the last tensor's data
+  f.put(char(0x7f));
+  f.close();
+  const CommandResult bad = run("verify " + broken.string());
+  EXPECT_EQ(bad.status, 1) << bad.output;
+}
+
+TEST(CliBench, BadFlagsGiveOneClearError) {
+  const CommandResult r = run("lineage --contexts 12x");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("--contexts"), std::string::npos) << r.output;
+  EXPECT_EQ(run("frobnicate").status, 2);
+}
+
+}  // namespace
