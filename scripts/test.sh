@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 jobs=${KDA_JOBS:-$(nproc)}
 cmake --preset release >/dev/null
 cmake --build --preset release -j "$jobs"
+bash scripts/tokenizer_testdata.sh  # reference encodings the tokenizer tests read (npm)
 ctest --preset release -j "$jobs"
 cmake --preset asan >/dev/null
 cmake --build --preset asan -j "$jobs" --target kda_tests

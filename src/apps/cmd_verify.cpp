@@ -30,12 +30,15 @@ void print_usage() {
 std::vector<std::string> expand(const Args& args) {
   std::vector<std::string> files;
   for (const std::string& a : args) {
-    if (std::filesystem::is_directory(a)) {
+    if (verify::is_model_fixture(a)) {
+      files.push_back(a);
+    } else if (std::filesystem::is_directory(a)) {
       std::vector<std::string> found;
       for (const auto& e : std::filesystem::directory_iterator(a))
-        if (e.path().extension() == ".safetensors") found.push_back(e.path().string());
+        if (e.path().extension() == ".safetensors" || verify::is_model_fixture(e.path().string()))
+          found.push_back(e.path().string());
       std::sort(found.begin(), found.end());
-      require(!found.empty(), a + ": no .safetensors files in this folder");
+      require(!found.empty(), a + ": no .safetensors files or model folders in this folder");
       files.insert(files.end(), found.begin(), found.end());
     } else {
       files.push_back(a);
@@ -53,10 +56,14 @@ int cmd_verify(const Args& args) {
   }
   int failures = 0, checks = 0;
   for (const std::string& path : expand(args)) {
-    std::string name = std::filesystem::path(path).filename().string();
+    std::filesystem::path where(path);
+    if (where.filename().empty()) where = where.parent_path();  // "folder/"
+    const std::string name = where.filename().string();
     try {
-      const verify::FixtureReport report = verify::check_op_fixture(path);
-      std::printf("%s (op %s)\n", name.c_str(), report.op.c_str());
+      const bool model = verify::is_model_fixture(path);
+      const verify::FixtureReport report =
+          model ? verify::check_model_folder(path) : verify::check_op_fixture(path);
+      std::printf("%s (%s %s)\n", name.c_str(), model ? "model" : "op", report.op.c_str());
       for (const verify::CheckRow& row : report.rows) {
         ++checks;
         if (!row.passed()) ++failures;

@@ -24,7 +24,7 @@ void print_usage() {
       "  bench     CPU benchmarks: GEMM ceiling, chunked/recurrent KDA and Gated DeltaNet\n"
       "  info      architecture, parameters and memory per sequence of a model or config\n"
       "  run       generate text from a model folder (GPT-2, Kimi Linear)\n"
-      "  tokenize  text to token ids\n"
+      "  tokenize  text to token ids (JSON) and back: GPT-2 BPE, tiktoken files, Kimi\n"
       "\n"
       "run 'kda <command> --help' for a command's options");
 }
@@ -48,6 +48,10 @@ int main(int argc, char** argv) {
     if (command == "verify") return kda::apps::cmd_verify(args);
     if (command == "lineage") return kda::apps::cmd_lineage(args);
     if (command == "bench") return kda::apps::cmd_bench(args);
+    if (command == "train") return kda::apps::cmd_train(args);
+    if (command == "tokenize") return kda::apps::cmd_tokenize(args);
+    if (command == "info") return kda::apps::cmd_info(args);
+    if (command == "run") return kda::apps::cmd_run(args);
     std::fprintf(stderr, "kda: unknown command '%s' (try 'kda --help')\n", command.c_str());
     return 2;
   } catch (const kda::Error& e) {

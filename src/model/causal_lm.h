@@ -1,6 +1,7 @@
 // The architecture-independent face of a language model: a whole-sequence forward (no caches),
 // and sessions that hold a sequence's caches and states for prefill + token-by-token decode.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -43,7 +44,19 @@ class Session {
   // Feeds the next tokens (a prefill when several, a decode step when one); returns the logits
   // of every fed token, [ids.size(), vocab] fp32. Throws past the session's max context.
   virtual Tensor feed(std::span<const int32_t> ids) = 0;
+  // Like feed, but returns only the last fed token's logits, [1, vocab]: what generation needs,
+  // without holding [prompt length, vocab] floats for a long prompt. Models may override it to
+  // skip the other rows' output projection.
+  virtual Tensor feed_last(std::span<const int32_t> ids) {
+    const Tensor all = feed(ids);
+    const int64_t vocab = all.dim(-1);
+    Tensor last(DType::f32, {1, vocab});
+    std::copy_n(all.f32() + (all.dim(0) - 1) * vocab, vocab, last.f32());
+    return last;
+  }
   virtual int64_t length() const = 0;  // tokens fed so far
+  // The most tokens this session can hold (feeding past it throws); 0 when not bounded.
+  virtual int64_t max_context() const { return 0; }
   virtual MemoryReport memory() const = 0;
 };
 

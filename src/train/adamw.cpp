@@ -1,6 +1,8 @@
 #include "train/adamw.h"
 
+#include <algorithm>
 #include <cmath>
+#include <map>
 
 #include "core/error.h"
 
@@ -22,6 +24,35 @@ float AdamW::lr_at(int64_t step) const {
   const double progress = std::min(1.0, double(step - c.warmup_steps) / span);
   const double cosine = 0.5 * (1.0 + std::cos(M_PI * progress));
   return float(c.lr * (c.min_lr_ratio + (1.0 - c.min_lr_ratio) * cosine));
+}
+
+std::vector<std::pair<std::string, Tensor>> AdamW::state() const {
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    for (const auto& [prefix, source] :
+         {std::pair{std::string("m."), &m_[i]}, std::pair{std::string("v."), &v_[i]}}) {
+      Tensor t(DType::f32, params_[i]->value.shape());
+      std::copy(source->begin(), source->end(), t.f32());
+      out.emplace_back(prefix + params_[i]->name, std::move(t));
+    }
+  }
+  return out;
+}
+
+void AdamW::load_state(const std::vector<std::pair<std::string, Tensor>>& tensors, int64_t step) {
+  std::map<std::string, const Tensor*> by_name;
+  for (const auto& [name, t] : tensors) by_name[name] = &t;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    for (const auto& [prefix, target] :
+         {std::pair{std::string("m."), &m_[i]}, std::pair{std::string("v."), &v_[i]}}) {
+      const auto it = by_name.find(prefix + params_[i]->name);
+      require(it != by_name.end(), "optimizer state lacks '" + prefix + params_[i]->name + "'");
+      require(it->second->shape() == params_[i]->value.shape(),
+              "optimizer state '" + prefix + params_[i]->name + "' has the wrong shape");
+      std::copy(it->second->f32(), it->second->f32() + it->second->numel(), target->begin());
+    }
+  }
+  step_ = step;
 }
 
 double AdamW::step() {

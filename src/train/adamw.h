@@ -26,6 +26,9 @@ class AdamW {
   // One update from the gradients in Param::grad; returns the gradient norm before clipping.
   double step();
   int64_t steps_taken() const { return step_; }
+  // Moments as tensors named "m.<param>" / "v.<param>" (for checkpoints), and back.
+  std::vector<std::pair<std::string, Tensor>> state() const;
+  void load_state(const std::vector<std::pair<std::string, Tensor>>& tensors, int64_t step);
 
  private:
   std::vector<Param*> params_;

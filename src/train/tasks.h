@@ -37,6 +37,9 @@ class TaskStream {
   // Never yield an example whose hash is in `forbidden` (the test set's).
   void forbid(const std::unordered_set<uint64_t>& hashes) { forbidden_ = hashes; }
   static uint64_t hash_example(const int32_t* inputs, int64_t T);
+  // Where the stream stands (for checkpoints) and going back there (for --resume).
+  uint64_t position() const { return state_; }
+  void seek(uint64_t position) { state_ = position; }
 
  private:
   void make_example(int32_t* inputs, int32_t* targets);

@@ -1,0 +1,454 @@
+#include "model/gpt2.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/parallel.h"
+#include "ops/attention/attention.h"
+#include "ops/nn/nn.h"
+
+namespace kda::model {
+
+namespace {
+
+using json = nlohmann::json;
+
+enum class Activation { gelu_tanh, gelu_erf, relu, silu };
+
+// The fields of transformers' GPT2Config that change the computation, with its defaults.
+struct Gpt2Config {
+  int64_t vocab = 0, positions = 0, embd = 0, heads = 0, layers = 0, inner = 0;
+  float eps = 1e-5f;
+  bool tied = true;
+  bool scale_attn_weights = true;
+  bool scale_by_inverse_layer = false;
+  std::string activation_name;
+  Activation activation = Activation::gelu_tanh;
+
+  int64_t head_dim() const { return embd / heads; }
+
+  static Gpt2Config from_json(const json& config) {
+    Gpt2Config c;
+    c.vocab = config_int_or(config, "vocab_size", 50257);
+    c.positions = config_int_or(config, "n_positions", 1024);
+    c.embd = config_int_or(config, "n_embd", 768);
+    c.heads = config_int_or(config, "n_head", 12);
+    c.layers = config_int_or(config, "n_layer", 12);
+    c.inner = config_int_or(config, "n_inner", 4 * c.embd);
+    c.eps = float(config_double_or(config, "layer_norm_epsilon", 1e-5));
+    c.tied = config_bool_or(config, "tie_word_embeddings", true);
+    c.scale_attn_weights = config_bool_or(config, "scale_attn_weights", true);
+    c.scale_by_inverse_layer = config_bool_or(config, "scale_attn_by_inverse_layer_idx", false);
+    c.activation_name = config_string_or(config, "activation_function", "gelu_new");
+    const auto positive = [](int64_t v, const char* key) {
+      require(v > 0, "config.json: field '" + std::string(key) + "' must be positive, got " +
+                         std::to_string(v));
+    };
+    positive(c.vocab, "vocab_size");
+    positive(c.positions, "n_positions");
+    positive(c.embd, "n_embd");
+    positive(c.heads, "n_head");
+    positive(c.layers, "n_layer");
+    positive(c.inner, "n_inner");
+    require(c.embd % c.heads == 0, "config.json: n_embd (" + std::to_string(c.embd) +
+                                       ") is not a multiple of n_head (" + std::to_string(c.heads) +
+                                       ")");
+    require(std::isfinite(c.eps) && c.eps > 0,
+            "config.json: field 'layer_norm_epsilon' must be positive");
+    require(!config_bool_or(config, "add_cross_attention", false),
+            "config.json: add_cross_attention = true (an encoder-decoder GPT-2) is not supported");
+    if (c.activation_name == "gelu_new" || c.activation_name == "gelu_pytorch_tanh" ||
+        c.activation_name == "gelu_fast") {
+      c.activation = Activation::gelu_tanh;
+    } else if (c.activation_name == "gelu") {
+      c.activation = Activation::gelu_erf;
+    } else if (c.activation_name == "relu") {
+      c.activation = Activation::relu;
+    } else if (c.activation_name == "silu" || c.activation_name == "swish") {
+      c.activation = Activation::silu;
+    } else {
+      throw Error("config.json: activation_function '" + c.activation_name +
+                  "' is not supported (gelu_new, gelu_pytorch_tanh, gelu, relu, silu)");
+    }
+    return c;
+  }
+
+  // 1/sqrt(head_dim) when scale_attn_weights, further divided by layer + 1 when
+  // scale_attn_by_inverse_layer_idx (as transformers' GPT2Attention).
+  double attention_scale(int64_t layer) const {
+    double scale = scale_attn_weights ? 1.0 / std::sqrt(double(head_dim())) : 1.0;
+    if (scale_by_inverse_layer) scale /= double(layer + 1);
+    return scale;
+  }
+
+  int64_t params_per_layer() const {
+    const int64_t E = embd, I = inner;
+    return 2 * E + (E * 3 * E + 3 * E) + (E * E + E) + 2 * E + (E * I + I) + (I * E + E);
+  }
+  int64_t total_params() const {
+    return vocab * embd + positions * embd + layers * params_per_layer() + 2 * embd +
+           (tied ? 0 : vocab * embd);
+  }
+};
+
+ArchitectureInfo describe(const Gpt2Config& c) {
+  ArchitectureInfo info;
+  info.model_type = "gpt2";
+  info.summary = "GPT-2: " + std::to_string(c.layers) + " layers, width " + std::to_string(c.embd) +
+                 ", " + std::to_string(c.heads) + " heads of " + std::to_string(c.head_dim()) +
+                 ", MLP " + std::to_string(c.inner) + " (" + c.activation_name + "), vocab " +
+                 std::to_string(c.vocab) + ", context " + std::to_string(c.positions) +
+                 (c.tied ? ", tied embeddings" : ", separate lm_head");
+  info.layer_kinds.assign(size_t(c.layers), "softmax attention + MLP");
+  info.total_params = c.total_params();
+  info.active_params = info.total_params;  // dense: every weight touches every token
+  info.num_state_layers = 0;
+  info.state_bytes_per_layer = 0;
+  info.num_cache_layers = c.layers;
+  info.cache_bytes_per_token_per_layer = 2 * c.embd * 2;  // K and V, bf16
+  return info;
+}
+
+// Rows of work for parallel_for: blocks of rows so that tiny jobs stay on one thread.
+template <class Body>
+void for_row_blocks(int64_t rows, double flops_per_row, Body&& body) {
+  constexpr int64_t kRowsPerBlock = 16;
+  const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  parallel_for(
+      blocks,
+      [&](int64_t b) {
+        const int64_t first = b * kRowsPerBlock;
+        body(first, std::min(rows, first + kRowsPerBlock));
+      },
+      flops_per_row * double(kRowsPerBlock));
+}
+
+void layer_norm_rows(const float* x, int64_t rows, int64_t D, const Tensor& weight,
+                     const Tensor& bias, float eps, float* y) {
+  for_row_blocks(rows, 8.0 * double(D), [&](int64_t first, int64_t end) {
+    ops::layer_norm(x + first * D, end - first, D, weight.f32(), bias.f32(), eps, y + first * D);
+  });
+}
+
+void activate_rows(Activation act, float* h, int64_t rows, int64_t width) {
+  for_row_blocks(rows, 20.0 * double(width), [&](int64_t first, int64_t end) {
+    float* p = h + first * width;
+    const int64_t n = (end - first) * width;
+    switch (act) {
+      case Activation::gelu_tanh:
+        ops::gelu_tanh(p, n);
+        break;
+      case Activation::gelu_erf:
+        for (int64_t i = 0; i < n; ++i) p[i] = 0.5f * p[i] * (1.0f + std::erf(p[i] * M_SQRT1_2f));
+        break;
+      case Activation::relu:
+        for (int64_t i = 0; i < n; ++i) p[i] = std::max(p[i], 0.0f);
+        break;
+      case Activation::silu:
+        ops::silu(p, n);
+        break;
+    }
+  });
+}
+
+void add_bias_rows(float* y, int64_t rows, const Tensor& bias) {
+  const int64_t D = bias.numel();
+  const float* b = bias.f32();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < D; ++i) y[r * D + i] += b[i];
+}
+
+// y[T, out] (= or +=) x[T, in] W[out, in]^T (+ bias). One token (decode) goes through a
+// matrix-vector product: OpenBLAS 0.3.21's sgemm packs the whole weight even for one row, which
+// made decode steps 2-10x slower per projection on this machine. Small weights stay on this
+// thread (OpenBLAS would wake its threads for anything above ~10K elements, which costs more
+// than the product, and much more on a busy machine).
+void project(const float* x, int64_t T, int64_t in, const Tensor& W, const Tensor* bias,
+             bool accumulate, float* y) {
+  const int64_t out = W.dim(0);
+  if (T == 1) {
+    constexpr int64_t kThreadedGemvElements = int64_t(1) << 18;
+    const float* w = W.f32();
+    if (out * in < kThreadedGemvElements) {
+      for (int64_t o = 0; o < out; ++o) {
+        const float* row = w + o * in;
+        float dot = 0;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < in; ++i) dot += row[i] * x[i];
+        y[o] = (accumulate ? y[o] : 0.0f) + dot + (bias ? bias->f32()[o] : 0.0f);
+      }
+      return;
+    }
+    if (!accumulate && bias) std::memcpy(y, bias->f32(), size_t(out) * sizeof(float));
+    cblas_sgemv(CblasRowMajor, CblasNoTrans, int(out), int(in), 1.0f, w, int(in), x, 1,
+                accumulate || bias ? 1.0f : 0.0f, y, 1);
+    if (accumulate && bias) add_bias_rows(y, 1, *bias);
+    return;
+  }
+  if (accumulate) {
+    ops::linear_accumulate(x, T, in, W.f32(), out, y);
+    if (bias) add_bias_rows(y, T, *bias);
+  } else {
+    ops::linear(x, T, in, W.f32(), out, bias ? bias->f32() : nullptr, y);
+  }
+}
+
+// A checkpoint's Conv1D weight [in, out] as ops::linear's [out, in].
+Tensor transposed(const Tensor& w) {
+  const int64_t rows = w.dim(0), cols = w.dim(1);
+  Tensor out(DType::f32, {cols, rows});
+  const float* src = w.f32();
+  float* dst = out.f32();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
+  return out;
+}
+
+struct Gpt2Layer {
+  Tensor ln1_weight, ln1_bias;
+  Tensor qkv_weight, qkv_bias;  // [3E, E], [3E]: q, k, v stacked along the output
+  Tensor out_weight, out_bias;  // [E, E], [E]
+  Tensor ln2_weight, ln2_bias;
+  Tensor fc_weight, fc_bias;      // [I, E], [I]
+  Tensor down_weight, down_bias;  // [E, I], [E]
+};
+
+class Gpt2Model;
+
+class Gpt2Session : public Session {
+ public:
+  Gpt2Session(const Gpt2Model& model, int64_t max_context);
+  Tensor feed(std::span<const int32_t> ids) override;
+  Tensor feed_last(std::span<const int32_t> ids) override;
+  int64_t length() const override { return length_; }
+  int64_t max_context() const override { return max_context_; }
+  MemoryReport memory() const override;
+
+ private:
+  const Gpt2Model& model_;
+  int64_t max_context_;
+  std::vector<ops::KvCache> caches_;  // one per layer, one slot
+  int64_t length_ = 0;
+};
+
+class Gpt2Model : public CausalLM {
+ public:
+  Gpt2Model(const Gpt2Config& config, const ModelFolder& folder);
+
+  const ArchitectureInfo& info() const override { return info_; }
+  int64_t vocab_size() const override { return config_.vocab; }
+  int64_t weight_bytes() const override { return weight_bytes_; }
+  Tensor forward(std::span<const int32_t> ids) const override {
+    check_ids(ids, 0, config_.positions);
+    return run(ids, 0, nullptr, false);
+  }
+  std::unique_ptr<Session> start_session(int64_t max_context = 0) const override {
+    require(max_context >= 0 && max_context <= config_.positions,
+            "gpt2: max_context " + std::to_string(max_context) +
+                " is outside [1, n_positions = " + std::to_string(config_.positions) + "]");
+    return std::make_unique<Gpt2Session>(*this, max_context == 0 ? config_.positions : max_context);
+  }
+
+  const Gpt2Config& config() const { return config_; }
+
+  // Throws unless `ids` is non-empty, in the vocabulary and fits after `past` tokens within
+  // `limit` positions.
+  void check_ids(std::span<const int32_t> ids, int64_t past, int64_t limit) const {
+    require(!ids.empty(), "gpt2: no tokens to feed");
+    require(past + int64_t(ids.size()) <= limit,
+            "gpt2: " + std::to_string(past) + " tokens held + " + std::to_string(ids.size()) +
+                " new exceed the context of " + std::to_string(limit) + " tokens");
+    for (const int32_t id : ids) {
+      require(id >= 0 && id < config_.vocab, "gpt2: token id " + std::to_string(id) +
+                                                 " is outside the vocabulary [0, " +
+                                                 std::to_string(config_.vocab) + ")");
+    }
+  }
+
+  // Tokens `ids` at positions past.. through every layer. caches == nullptr: one causal pass
+  // without caches; else each layer's keys and values are appended to its cache (prefill for
+  // several tokens, a decode step for one). Returns logits [T, V] or, with last_only, [1, V].
+  Tensor run(std::span<const int32_t> ids, int64_t past, std::vector<ops::KvCache>* caches,
+             bool last_only) const;
+
+ private:
+  Gpt2Config config_;
+  ArchitectureInfo info_;
+  Tensor token_embedding_, position_embedding_;  // [V, E] (also the lm_head), [P, E]
+  Tensor final_norm_weight_, final_norm_bias_;
+  Tensor lm_head_;  // [V, E]; empty when tied to the token embedding
+  std::vector<Gpt2Layer> layers_;
+  int64_t weight_bytes_ = 0;
+};
+
+Gpt2Model::Gpt2Model(const Gpt2Config& config, const ModelFolder& folder)
+    : config_(config), info_(describe(config)) {
+  const int64_t V = config_.vocab, P = config_.positions, E = config_.embd, I = config_.inner;
+  // Checkpoints saved from GPT2LMHeadModel prefix the body with "transformer."; those saved
+  // from GPT2Model (e.g. the original "gpt2" upload) do not.
+  const std::string prefix =
+      !folder.has("transformer.wte.weight") && folder.has("wte.weight") ? "" : "transformer.";
+  std::map<std::string, Shape> expected = {
+      {prefix + "wte.weight", {V, E}},
+      {prefix + "wpe.weight", {P, E}},
+      {prefix + "ln_f.weight", {E}},
+      {prefix + "ln_f.bias", {E}},
+  };
+  const auto layer_name = [&](int64_t l, const std::string& rest) {
+    return prefix + "h." + std::to_string(l) + "." + rest;
+  };
+  for (int64_t l = 0; l < config_.layers; ++l) {
+    expected[layer_name(l, "ln_1.weight")] = {E};
+    expected[layer_name(l, "ln_1.bias")] = {E};
+    expected[layer_name(l, "attn.c_attn.weight")] = {E, 3 * E};
+    expected[layer_name(l, "attn.c_attn.bias")] = {3 * E};
+    expected[layer_name(l, "attn.c_proj.weight")] = {E, E};
+    expected[layer_name(l, "attn.c_proj.bias")] = {E};
+    expected[layer_name(l, "ln_2.weight")] = {E};
+    expected[layer_name(l, "ln_2.bias")] = {E};
+    expected[layer_name(l, "mlp.c_fc.weight")] = {E, I};
+    expected[layer_name(l, "mlp.c_fc.bias")] = {I};
+    expected[layer_name(l, "mlp.c_proj.weight")] = {I, E};
+    expected[layer_name(l, "mlp.c_proj.bias")] = {E};
+    // Older transformers versions saved the causal mask buffers; they carry no weights.
+    for (const char* buffer : {"attn.bias", "attn.masked_bias"}) {
+      const std::string name = layer_name(l, buffer);
+      if (folder.has(name)) expected[name] = folder.view(name).shape;
+    }
+  }
+  // A tied lm_head may be saved too (it is the token embedding); an untied one must be.
+  if (!config_.tied || folder.has("lm_head.weight")) expected["lm_head.weight"] = {V, E};
+  folder.check_tensors(expected);
+
+  const auto load = [&](const std::string& name) {
+    Tensor t = folder.load(name, expected.at(name));
+    weight_bytes_ += int64_t(t.nbytes());
+    return t;
+  };
+  token_embedding_ = load(prefix + "wte.weight");
+  position_embedding_ = load(prefix + "wpe.weight");
+  final_norm_weight_ = load(prefix + "ln_f.weight");
+  final_norm_bias_ = load(prefix + "ln_f.bias");
+  if (!config_.tied) lm_head_ = load("lm_head.weight");
+  layers_.resize(size_t(config_.layers));
+  for (int64_t l = 0; l < config_.layers; ++l) {
+    Gpt2Layer& layer = layers_[size_t(l)];
+    layer.ln1_weight = load(layer_name(l, "ln_1.weight"));
+    layer.ln1_bias = load(layer_name(l, "ln_1.bias"));
+    layer.qkv_weight = transposed(load(layer_name(l, "attn.c_attn.weight")));
+    layer.qkv_bias = load(layer_name(l, "attn.c_attn.bias"));
+    layer.out_weight = transposed(load(layer_name(l, "attn.c_proj.weight")));
+    layer.out_bias = load(layer_name(l, "attn.c_proj.bias"));
+    layer.ln2_weight = load(layer_name(l, "ln_2.weight"));
+    layer.ln2_bias = load(layer_name(l, "ln_2.bias"));
+    layer.fc_weight = transposed(load(layer_name(l, "mlp.c_fc.weight")));
+    layer.fc_bias = load(layer_name(l, "mlp.c_fc.bias"));
+    layer.down_weight = transposed(load(layer_name(l, "mlp.c_proj.weight")));
+    layer.down_bias = load(layer_name(l, "mlp.c_proj.bias"));
+  }
+}
+
+Tensor Gpt2Model::run(std::span<const int32_t> ids, int64_t past, std::vector<ops::KvCache>* caches,
+                      bool last_only) const {
+  const int64_t T = int64_t(ids.size()), E = config_.embd, I = config_.inner;
+  const int64_t H = config_.heads, D = config_.head_dim();
+  std::vector<float> x(size_t(T * E)), normed(size_t(T * E)), qkv(size_t(T * 3 * E));
+  std::vector<float> q(size_t(T * E)), k(size_t(T * E)), v(size_t(T * E)), o(size_t(T * E));
+  std::vector<float> hidden(size_t(T * I));
+
+  for (int64_t t = 0; t < T; ++t) {
+    const float* tok = token_embedding_.f32() + int64_t(ids[size_t(t)]) * E;
+    const float* pos = position_embedding_.f32() + (past + t) * E;
+    for (int64_t i = 0; i < E; ++i) x[size_t(t * E + i)] = tok[i] + pos[i];
+  }
+
+  for (int64_t l = 0; l < config_.layers; ++l) {
+    const Gpt2Layer& layer = layers_[size_t(l)];
+    // Attention: x += c_proj(attention(split(c_attn(ln_1(x)))))
+    layer_norm_rows(x.data(), T, E, layer.ln1_weight, layer.ln1_bias, config_.eps, normed.data());
+    project(normed.data(), T, E, layer.qkv_weight, &layer.qkv_bias, false, qkv.data());
+    for (int64_t t = 0; t < T; ++t) {
+      const float* row = qkv.data() + t * 3 * E;
+      std::memcpy(q.data() + t * E, row, size_t(E) * sizeof(float));
+      std::memcpy(k.data() + t * E, row + E, size_t(E) * sizeof(float));
+      std::memcpy(v.data() + t * E, row + 2 * E, size_t(E) * sizeof(float));
+    }
+    ops::AttentionShape shape;
+    shape.B = 1;
+    shape.T = T;
+    shape.H = shape.HKV = H;
+    shape.D = shape.DV = D;
+    shape.scale = config_.attention_scale(l);
+    const ops::AttentionInputs<float> in{shape, q.data(), k.data(), v.data()};
+    if (!caches) {
+      ops::attention_flash_forward(in, o.data(), nullptr);
+    } else if (T == 1) {
+      ops::attention_decode_step(shape, (*caches)[size_t(l)], q.data(), k.data(), v.data(),
+                                 o.data());
+    } else {
+      ops::attention_prefill(in, (*caches)[size_t(l)], o.data(), nullptr);
+    }
+    project(o.data(), T, E, layer.out_weight, &layer.out_bias, true, x.data());
+
+    // MLP: x += c_proj(act(c_fc(ln_2(x))))
+    layer_norm_rows(x.data(), T, E, layer.ln2_weight, layer.ln2_bias, config_.eps, normed.data());
+    project(normed.data(), T, E, layer.fc_weight, &layer.fc_bias, false, hidden.data());
+    activate_rows(config_.activation, hidden.data(), T, I);
+    project(hidden.data(), T, I, layer.down_weight, &layer.down_bias, true, x.data());
+  }
+
+  const int64_t first = last_only ? T - 1 : 0, rows = T - first;
+  layer_norm_rows(x.data() + first * E, rows, E, final_norm_weight_, final_norm_bias_, config_.eps,
+                  normed.data());
+  Tensor logits(DType::f32, {rows, config_.vocab});
+  const Tensor& head = config_.tied ? token_embedding_ : lm_head_;
+  project(normed.data(), rows, E, head, nullptr, false, logits.f32());
+  return logits;
+}
+
+Gpt2Session::Gpt2Session(const Gpt2Model& model, int64_t max_context)
+    : model_(model), max_context_(max_context) {
+  const Gpt2Config& c = model.config();
+  caches_.reserve(size_t(c.layers));
+  for (int64_t l = 0; l < c.layers; ++l)
+    caches_.emplace_back(1, c.heads, c.head_dim(), c.head_dim(), max_context);
+}
+
+Tensor Gpt2Session::feed(std::span<const int32_t> ids) {
+  model_.check_ids(ids, length_, max_context_);
+  Tensor logits = model_.run(ids, length_, &caches_, false);
+  length_ += int64_t(ids.size());
+  return logits;
+}
+
+Tensor Gpt2Session::feed_last(std::span<const int32_t> ids) {
+  model_.check_ids(ids, length_, max_context_);
+  Tensor logits = model_.run(ids, length_, &caches_, true);
+  length_ += int64_t(ids.size());
+  return logits;
+}
+
+MemoryReport Gpt2Session::memory() const {
+  MemoryReport report;
+  report.weight_bytes = model_.weight_bytes();
+  for (const ops::KvCache& cache : caches_) report.cache_bytes += cache.bytes_used();
+  return report;
+}
+
+}  // namespace
+
+ArchitectureInfo describe_gpt2(const json& config) {
+  return describe(Gpt2Config::from_json(config));
+}
+
+std::unique_ptr<CausalLM> load_gpt2(const ModelFolder& folder) {
+  return std::make_unique<Gpt2Model>(Gpt2Config::from_json(folder.config()), folder);
+}
+
+}  // namespace kda::model

@@ -1,0 +1,259 @@
+#include "train/trainer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/error.h"
+#include "core/safetensors.h"
+#include "core/timer.h"
+
+namespace kda::train {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+json settings_to_json(const TrainSettings& s) {
+  return {{"model_type", "kda_lineage"},
+          {"vocab_size", s.model.vocab},
+          {"hidden_size", s.model.width},
+          {"num_heads", s.model.heads},
+          {"head_dim", s.model.head_dim},
+          {"intermediate_size", s.model.mlp_hidden},
+          {"layer_pattern", s.model.pattern},
+          {"rms_norm_eps", s.model.norm_eps},
+          {"training",
+           {{"task", task_name(s.task.task)},
+            {"task_vocab", s.task.vocab},
+            {"seq_len", s.task.seq_len},
+            {"num_kv", s.task.num_kv},
+            {"steps", s.steps},
+            {"batch", s.batch},
+            {"grad_accum", s.grad_accum},
+            {"save_every", s.save_every},
+            {"eval_examples", s.eval_examples},
+            {"seed", s.seed},
+            {"lr", s.optimizer.lr},
+            {"warmup_steps", s.optimizer.warmup_steps},
+            {"weight_decay", s.optimizer.weight_decay},
+            {"clip_norm", s.optimizer.clip_norm},
+            {"beta1", s.optimizer.beta1},
+            {"beta2", s.optimizer.beta2},
+            {"min_lr_ratio", s.optimizer.min_lr_ratio}}}};
+}
+
+TrainSettings settings_from_json(const json& j, const std::string& where) {
+  try {
+    TrainSettings s;
+    require(j.at("model_type") == "kda_lineage", where + ": model_type is not kda_lineage");
+    s.model = {j.at("vocab_size"),  j.at("hidden_size"),       j.at("num_heads"),
+               j.at("head_dim"),    j.at("intermediate_size"), j.at("layer_pattern"),
+               j.at("rms_norm_eps")};
+    const json& t = j.at("training");
+    s.task = {parse_task(t.at("task")), t.at("task_vocab"), t.at("seq_len"), t.at("num_kv")};
+    s.steps = t.at("steps");
+    s.batch = t.at("batch");
+    s.grad_accum = t.at("grad_accum");
+    s.save_every = t.at("save_every");
+    s.eval_examples = t.at("eval_examples");
+    s.seed = t.at("seed");
+    s.optimizer.lr = t.at("lr");
+    s.optimizer.warmup_steps = t.at("warmup_steps");
+    s.optimizer.weight_decay = t.at("weight_decay");
+    s.optimizer.clip_norm = t.at("clip_norm");
+    s.optimizer.beta1 = t.at("beta1");
+    s.optimizer.beta2 = t.at("beta2");
+    s.optimizer.min_lr_ratio = t.at("min_lr_ratio");
+    s.optimizer.total_steps = s.steps;
+    return s;
+  } catch (const json::exception& e) {
+    throw Error(where + ": " + e.what());
+  }
+}
+
+json read_json(const std::string& path) {
+  std::ifstream in(path);
+  require(bool(in), path + ": cannot open");
+  try {
+    return json::parse(in);
+  } catch (const json::exception& e) {
+    throw Error(path + ": not valid JSON: " + e.what());
+  }
+}
+
+}  // namespace
+
+Trainer::Trainer(const TrainSettings& settings, const std::string& out_dir)
+    : settings_(settings), dir_(out_dir) {
+  settings_.optimizer.total_steps = settings_.steps;
+  require(settings_.steps >= 1 && settings_.batch >= 1 && settings_.grad_accum >= 1,
+          "train: steps, batch and grad_accum must be >= 1");
+  require(!fs::exists(fs::path(out_dir) / "trainer_state.json"),
+          out_dir + " already holds a run: use --resume, or another --out");
+  fs::create_directories(out_dir);
+  start();
+  std::ofstream(fs::path(dir_) / "log.jsonl", std::ios::trunc);
+}
+
+Trainer::~Trainer() = default;
+
+void Trainer::start() {
+  settings_.model.validate();
+  require(settings_.model.vocab >= settings_.task.vocab,
+          "train: the model's vocabulary is smaller than the task's");
+  model_ = std::make_unique<LineageModel>(settings_.model, settings_.seed * 7919 + 1);
+  optimizer_ = std::make_unique<AdamW>(model_->params(), settings_.optimizer);
+  test_ = make_test_set(settings_.task, settings_.seed, settings_.eval_examples);
+  stream_ = std::make_unique<TaskStream>(settings_.task, settings_.seed, 0);
+  stream_->forbid(test_.hashes);
+}
+
+std::unique_ptr<Trainer> Trainer::resume(const std::string& out_dir) {
+  const fs::path dir(out_dir);
+  std::unique_ptr<Trainer> t(new Trainer());
+  t->dir_ = out_dir;
+  t->settings_ =
+      settings_from_json(read_json((dir / "config.json").string()), (dir / "config.json").string());
+  t->start();
+  const json state = read_json((dir / "trainer_state.json").string());
+  t->step_ = state.at("step").get<int64_t>();
+  t->stream_->seek(state.at("data_position").get<uint64_t>());
+  const SafetensorsFile weights = SafetensorsFile::open((dir / "model.safetensors").string());
+  for (Param* p : t->model_->params()) {
+    const Tensor w = weights.load(p->name);
+    require(w.shape() == p->value.shape(),
+            out_dir + "/model.safetensors: '" + p->name + "' has the wrong shape");
+    std::copy(w.f32(), w.f32() + w.numel(), p->value.f32());
+  }
+  const SafetensorsFile opt = SafetensorsFile::open((dir / "optimizer.safetensors").string());
+  std::vector<std::pair<std::string, Tensor>> moments;
+  for (const std::string& name : opt.names()) moments.emplace_back(name, opt.load(name));
+  t->optimizer_->load_state(moments, t->step_);
+  // drop log lines past the checkpoint (written after it by an interrupted run)
+  std::ifstream in(dir / "log.jsonl");
+  std::string line, kept;
+  while (std::getline(in, line)) {
+    if (!line.empty() && json::parse(line).at("step").get<int64_t>() <= t->step_) {
+      kept += line + "\n";
+    }
+  }
+  write_file_atomic((dir / "log.jsonl").string(), kept);
+  return t;
+}
+
+void Trainer::save() const {
+  const fs::path dir(dir_);
+  write_file_atomic((dir / "config.json").string(), settings_to_json(settings_).dump(2) + "\n");
+  std::vector<NamedTensor> weights;
+  for (Param* p : model_->params()) weights.push_back({p->name, &p->value});
+  write_safetensors((dir / "model.safetensors").string(), weights, {{"format", "pt"}});
+  const auto moments = optimizer_->state();
+  std::vector<NamedTensor> named;
+  for (const auto& [name, t] : moments) named.push_back({name, &t});
+  write_safetensors((dir / "optimizer.safetensors").string(), named);
+  // the state file goes last: a checkpoint is complete once it names this step
+  const json state = {{"step", step_}, {"data_position", stream_->position()}};
+  write_file_atomic((dir / "trainer_state.json").string(), state.dump(2) + "\n");
+}
+
+void Trainer::run(int64_t stop_after, const std::atomic<bool>* interrupt,
+                  const std::function<void(const StepLog&)>& on_step) {
+  std::ofstream log(fs::path(dir_) / "log.jsonl", std::ios::app);
+  const int64_t end =
+      stop_after > 0 ? std::min(settings_.steps, step_ + stop_after) : settings_.steps;
+  while (step_ < end && !(interrupt && interrupt->load())) {
+    Stopwatch clock;
+    model_->zero_grad();
+    double loss = 0;
+    for (int64_t micro = 0; micro < settings_.grad_accum; ++micro) {
+      const Batch b = stream_->next(settings_.batch);
+      loss += model_->forward_backward(b.inputs.data(), b.targets.data(), b.B, b.T, true).loss;
+    }
+    if (settings_.grad_accum > 1) {
+      const float inv = 1.0f / float(settings_.grad_accum);
+      for (Param* p : model_->params())
+        for (float& g : p->grad.span_f32()) g *= inv;
+      loss /= double(settings_.grad_accum);
+    }
+    StepLog entry;
+    entry.step = step_ + 1;
+    entry.lr = optimizer_->lr_at(step_);
+    entry.grad_norm = optimizer_->step();
+    entry.loss = loss;
+    entry.tokens_per_s =
+        double(settings_.batch * settings_.grad_accum * settings_.task.seq_len) / clock.seconds();
+    ++step_;
+    log << json{{"step", entry.step},
+                {"loss", entry.loss},
+                {"lr", entry.lr},
+                {"grad_norm", entry.grad_norm},
+                {"tokens_per_s", entry.tokens_per_s}}
+               .dump()
+        << "\n";
+    log.flush();
+    if (on_step) on_step(entry);
+    if (settings_.save_every > 0 && step_ % settings_.save_every == 0) save();
+  }
+  log.close();
+  save();
+  write_loss_plot((fs::path(dir_) / "log.jsonl").string(), (fs::path(dir_) / "loss.svg").string());
+}
+
+double Trainer::evaluate() {
+  int64_t scored = 0, correct = 0;
+  const int64_t T = test_.batch.T, slice = 32;
+  for (int64_t i = 0; i < test_.batch.B; i += slice) {
+    const int64_t n = std::min(slice, test_.batch.B - i);
+    const auto r = model_->forward_backward(&test_.batch.inputs[i * T], &test_.batch.targets[i * T],
+                                            n, T, false);
+    scored += r.scored;
+    correct += r.correct;
+  }
+  return scored ? double(correct) / double(scored) : 0;
+}
+
+void write_loss_plot(const std::string& log_path, const std::string& svg_path) {
+  std::vector<std::pair<double, double>> points;
+  std::ifstream in(log_path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    const json j = json::parse(line);
+    points.emplace_back(j.at("step").get<double>(), j.at("loss").get<double>());
+  }
+  const int W = 640, H = 360, pad = 50;
+  std::ostringstream s;
+  s << "<svg xmlns='http://www.w3.org/2000/svg' width='" << W << "' height='" << H
+    << "' font-family='sans-serif' font-size='11'>\n<rect width='100%' height='100%' "
+       "fill='white'/>\n";
+  s << "<rect x='" << pad << "' y='" << pad / 2 << "' width='" << W - 1.5 * pad << "' height='"
+    << H - 1.5 * pad << "' fill='none' stroke='black'/>\n";
+  if (!points.empty()) {
+    double lo = points[0].second, hi = lo;
+    for (const auto& p : points) {
+      lo = std::min(lo, p.second);
+      hi = std::max(hi, p.second);
+    }
+    if (hi - lo < 1e-9) hi = lo + 1;
+    const double x_max = std::max(1.0, points.back().first);
+    auto X = [&](double step) { return pad + (W - 1.5 * pad) * step / x_max; };
+    auto Y = [&](double loss) { return pad / 2 + (H - 1.5 * pad) * (hi - loss) / (hi - lo); };
+    s << "<polyline fill='none' stroke='#1f77b4' stroke-width='1.5' points='";
+    for (const auto& p : points) s << X(p.first) << "," << Y(p.second) << " ";
+    s << "'/>\n";
+    s << "<text x='" << pad - 4 << "' y='" << Y(hi) + 4 << "' text-anchor='end'>" << hi
+      << "</text>\n<text x='" << pad - 4 << "' y='" << Y(lo) + 4 << "' text-anchor='end'>" << lo
+      << "</text>\n<text x='" << X(x_max) << "' y='" << H - pad / 2 + 14
+      << "' text-anchor='end'>step " << x_max << "</text>\n";
+  }
+  s << "<text x='" << W / 2 << "' y='" << H - 8 << "' text-anchor='middle'>training loss</text>\n";
+  s << "</svg>\n";
+  write_file_atomic(svg_path, s.str());
+}
+
+}  // namespace kda::train

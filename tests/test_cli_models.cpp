@@ -1,0 +1,200 @@
+// The model commands of the built kda binary on the gpt2_tiny fixture: verify, run, info, and
+// the exit codes and messages of bad invocations.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tokenizer/gpt2_tokenizer.h"
+
+namespace kda {
+namespace {
+
+namespace fs = std::filesystem;
+
+const std::string kFixture = std::string(KDA_SHARED_DIR) + "/fixtures/models/gpt2_tiny";
+
+struct Result {
+  int exit_code = -1;
+  std::string out;  // stdout, or stdout and stderr together
+};
+
+// Runs the kda binary with `args` (a shell fragment); stderr joins stdout when merge_stderr.
+Result run_kda(const std::string& args, bool merge_stderr = true) {
+  const std::string command =
+      std::string("'") + KDA_BINARY + "' " + args + (merge_stderr ? " 2>&1" : " 2>/dev/null");
+  Result r;
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (!pipe) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0) r.out.append(buf, n);
+  const int status = ::pclose(pipe);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+TEST(CliModels, VerifyModelFolder) {
+  const Result r = run_kda("verify '" + kFixture + "'");
+  EXPECT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("gpt2_tiny (model gpt2)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("decode               greedy"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(" 0 failed"), std::string::npos) << r.out;
+}
+
+TEST(CliModels, RunWithIdsPrintsTheGeneratedIds) {
+  const Result r = run_kda("run -m '" + kFixture + "' --ids 1,2,3 -n 5", false);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const std::vector<std::string> lines = lines_of(r.out);
+  ASSERT_EQ(lines.size(), 1u) << r.out;
+  std::istringstream in(lines[0]);
+  std::vector<int> ids;
+  for (int id; in >> id;) ids.push_back(id);
+  EXPECT_TRUE(in.eof()) << "not only ids: " << lines[0];
+  ASSERT_EQ(ids.size(), 5u) << lines[0];
+  for (const int id : ids) EXPECT_TRUE(id >= 0 && id < 1000) << id;
+
+  // Greedy is the default: the same run again gives the same ids; the stats line is on stderr.
+  const Result again = run_kda("run -m '" + kFixture + "' --ids 1,2,3 -n 5");
+  EXPECT_EQ(again.exit_code, 0);
+  EXPECT_EQ(lines_of(again.out).at(0), lines[0]);
+  EXPECT_NE(again.out.find("[kda run] prompt: 3 tokens"), std::string::npos) << again.out;
+  EXPECT_NE(again.out.find("decode: 4 tokens"), std::string::npos) << again.out;
+  EXPECT_NE(again.out.find("MLA/KV cache"), std::string::npos) << again.out;
+
+  // Sampling with a seed is reproducible; --ctx bounds prompt + generation.
+  const std::string sampled =
+      "run -m '" + kFixture + "' --ids 4,5 -n 8 --temp 1 --top-p 0.9 --seed 3";
+  EXPECT_EQ(run_kda(sampled, false).out, run_kda(sampled, false).out);
+  const Result bounded = run_kda("run -m '" + kFixture + "' --ids 1,2,3 -n 50 --ctx 6");
+  EXPECT_EQ(bounded.exit_code, 0) << bounded.out;
+  std::istringstream first(lines_of(bounded.out).at(0));
+  int count = 0;
+  for (int id; first >> id;) ++count;
+  EXPECT_EQ(count, 4);  // 3 fed tokens of room after the prompt, plus the last sampled one
+  EXPECT_NE(bounded.out.find("context limit of 6"), std::string::npos) << bounded.out;
+}
+
+std::string utf8(uint32_t cp) {
+  std::string s;
+  if (cp < 0x80) {
+    s += char(cp);
+  } else if (cp < 0x800) {
+    s += char(0xC0 | (cp >> 6));
+    s += char(0x80 | (cp & 0x3F));
+  } else {
+    s += char(0xE0 | (cp >> 12));
+    s += char(0x80 | ((cp >> 6) & 0x3F));
+    s += char(0x80 | (cp & 0x3F));
+  }
+  return s;
+}
+
+// gpt2_tiny plus a byte-level BPE tokenizer covering its 1000 ids: 256 bytes, 743 merges
+// (letter pairs, space + letter, pair + 'e'), <|endoftext|> = 999 (the stop id).
+fs::path write_tiny_folder_with_tokenizer() {
+  const fs::path dir =
+      fs::temp_directory_path() / ("kda_cli_models_tok_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  for (const char* file : {"config.json", "model.safetensors"})
+    fs::copy_file(fs::path(kFixture) / file, dir / file);
+  const auto& unicode = tokenizer::gpt2_byte_to_unicode();
+  const auto sym = [&](char c) { return utf8(unicode[uint8_t(c)]); };
+  nlohmann::json vocab = nlohmann::json::object();
+  for (int b = 0; b < 256; ++b) vocab[utf8(unicode[size_t(b)])] = b;
+  std::string merges = "#version: 0.2\n";
+  const auto merge = [&](const std::string& a, const std::string& b) {
+    const int id = int(vocab.size());
+    vocab[a + b] = id;
+    merges += a + " " + b + "\n";
+  };
+  for (char a = 'a'; a <= 'z'; ++a)
+    for (char b = 'a'; b <= 'z'; ++b) merge(sym(a), sym(b));
+  for (char a = 'a'; a <= 'z'; ++a) merge(sym(' '), sym(a));
+  for (int i = 0; vocab.size() < 999; ++i)
+    merge(sym(char('a' + i / 26)) + sym(char('a' + i % 26)), sym('e'));
+  vocab["<|endoftext|>"] = 999;
+  std::ofstream(dir / "vocab.json") << vocab.dump();
+  std::ofstream(dir / "merges.txt") << merges;
+  return dir;
+}
+
+TEST(CliModels, RunStreamsTextWithATokenizer) {
+  const fs::path dir = write_tiny_folder_with_tokenizer();
+  const std::string model = "run -m '" + dir.string() + "'";
+  const Result r = run_kda(model + " -p 'hello world' -n 12", false);
+  EXPECT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_EQ(r.out.rfind("hello world", 0), 0u) << r.out;  // the prompt, then its continuation
+  EXPECT_GT(r.out.size(), std::string("hello world\n").size()) << r.out;
+  const Result stats = run_kda(model + " -p 'hello world' -n 12 --temp 0.8 --top-k 40 --seed 5");
+  EXPECT_EQ(stats.exit_code, 0) << stats.out;
+  EXPECT_NE(stats.out.find("[kda run] prompt: "), std::string::npos) << stats.out;
+  // GPT-2's tokenizer has no chat template.
+  const Result chat = run_kda(model + " -p hi --chat");
+  EXPECT_EQ(chat.exit_code, 1) << chat.out;
+  EXPECT_NE(chat.out.find("chat template"), std::string::npos) << chat.out;
+  fs::remove_all(dir);
+}
+
+TEST(CliModels, RunRejectsBadFlags) {
+  const std::string model = "run -m '" + kFixture + "'";
+  const std::pair<std::string, std::string> cases[] = {
+      {model + " --ids 1,2,3 --bogus", "unknown option '--bogus'"},
+      {model + " --ids 1,x,3", "--ids"},
+      {model + " --ids 1,2,3000", "3000"},
+      {model + " --ids 1,2 -n 0", "-n"},
+      {model + " --ids 1,2 --temp -1", "temperature"},
+      {model + " --ids 1,2 --top-p 2", "top-p"},
+      {model + " --ids 1,2 --ctx", "--ctx needs a value"},
+      {model + " -p hello", "no tokenizer"},
+      {model, "-p TEXT or --ids"},
+      {"run --ids 1", "-m DIR"},
+      {"run -m /nonexistent/folder --ids 1", "/nonexistent/folder"},
+  };
+  for (const auto& [args, needle] : cases) {
+    const Result r = run_kda(args);
+    EXPECT_EQ(r.exit_code, 1) << args << "\n" << r.out;
+    EXPECT_NE(r.out.find(needle), std::string::npos) << args << "\n" << r.out;
+  }
+}
+
+TEST(CliModels, InfoOnFolderAndBareConfig) {
+  const Result r = run_kda("info '" + kFixture + "'");
+  EXPECT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("model_type      gpt2"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("180.48 K (180480) total"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("0-1"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("at 1M tokens"), std::string::npos) << r.out;
+
+  // A bare config.json (no weights next to it) works too.
+  const fs::path dir = fs::temp_directory_path() / ("kda_cli_models_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  fs::copy_file(kFixture + "/config.json", dir / "config.json",
+                fs::copy_options::overwrite_existing);
+  const Result bare = run_kda("info '" + (dir / "config.json").string() + "'");
+  fs::remove_all(dir);
+  EXPECT_EQ(bare.exit_code, 0) << bare.out;
+  EXPECT_NE(bare.out.find("180480"), std::string::npos) << bare.out;
+
+  const Result missing = run_kda("info /nonexistent/config.json");
+  EXPECT_EQ(missing.exit_code, 1);
+  EXPECT_NE(missing.out.find("/nonexistent/config.json"), std::string::npos) << missing.out;
+}
+
+}  // namespace
+}  // namespace kda

@@ -1,0 +1,96 @@
+// kda train end to end: checkpoints, bit-exact resume, Ctrl-C saving, the log and the plot.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+
+const std::string kArgs =
+    " --pattern KA --width 32 --heads 2 --head-dim 16 --mlp 64 --task mqar --vocab 64"
+    " --seq-len 32 --batch 4 --lr 3e-3 --seed 5";
+
+int run(const std::string& args) {
+  const int status =
+      std::system((std::string(KDA_BINARY) + " " + args + " >/dev/null 2>&1").c_str());
+  return WEXITSTATUS(status);
+}
+
+std::vector<std::string> lines(const fs::path& p) {
+  std::ifstream in(p);
+  std::vector<std::string> out;
+  std::string line;
+  while (std::getline(in, line)) out.push_back(line);
+  return out;
+}
+
+// the "loss" field of a log line
+std::string loss_of(const std::string& line) {
+  const auto at = line.find("\"loss\":");
+  return line.substr(at, line.find(',', at) - at);
+}
+
+TEST(CliTrain, ResumedRunMatchesTheUninterruptedOneBitForBit) {
+  const fs::path a = fs::temp_directory_path() / "kda_train_a",
+                 b = fs::temp_directory_path() / "kda_train_b";
+  fs::remove_all(a);
+  fs::remove_all(b);
+  ASSERT_EQ(run("train --out " + a.string() + " --steps 12" + kArgs), 0);
+  ASSERT_EQ(run("train --out " + b.string() + " --steps 12 --stop-after 5" + kArgs), 0);
+  EXPECT_EQ(lines(b / "log.jsonl").size(), 5u);
+  ASSERT_EQ(run("train --resume " + b.string()), 0);
+  const auto la = lines(a / "log.jsonl"), lb = lines(b / "log.jsonl");
+  ASSERT_EQ(la.size(), 12u);
+  ASSERT_EQ(lb.size(), 12u);
+  for (size_t i = 0; i < la.size(); ++i)
+    EXPECT_EQ(loss_of(la[i]), loss_of(lb[i])) << "step " << i + 1;
+  for (const char* f : {"config.json", "model.safetensors", "optimizer.safetensors",
+                        "trainer_state.json", "loss.svg"}) {
+    EXPECT_TRUE(fs::exists(a / f)) << f;
+  }
+  // a second run into a folder holding a checkpoint is refused
+  EXPECT_EQ(run("train --out " + a.string() + " --steps 12" + kArgs), 1);
+}
+
+TEST(CliTrain, CtrlCSavesACheckpointThatResumes) {
+  const fs::path dir = fs::temp_directory_path() / "kda_train_sigint";
+  fs::remove_all(dir);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int null = open("/dev/null", O_WRONLY);
+    dup2(null, 1);
+    dup2(null, 2);
+    execl(KDA_BINARY, KDA_BINARY, "train", "--out", dir.c_str(), "--steps", "100000", "--pattern",
+          "K", "--width", "32", "--heads", "2", "--head-dim", "16", "--mlp", "64", "--task",
+          "stack", "--vocab", "64", "--seq-len", "32", "--batch", "4", nullptr);
+    _exit(127);
+  }
+  // wait until a few steps are logged
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (std::chrono::steady_clock::now() < deadline && lines(dir / "log.jsonl").size() < 3)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  kill(pid, SIGINT);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 130);
+  ASSERT_TRUE(fs::exists(dir / "trainer_state.json"));
+  std::ifstream in(dir / "trainer_state.json");
+  std::stringstream state;
+  state << in.rdbuf();
+  EXPECT_NE(state.str().find("\"step\""), std::string::npos);
+  EXPECT_EQ(run("train --resume " + dir.string() + " --stop-after 2"), 0);
+}
+
+}  // namespace
