@@ -172,25 +172,6 @@ void add_bias_rows(float* y, int64_t rows, const Tensor& bias) {
 void project(const float* x, int64_t T, int64_t in, const Tensor& W, const Tensor* bias,
              bool accumulate, float* y) {
   const int64_t out = W.dim(0);
-  if (T == 1) {
-    constexpr int64_t kThreadedGemvElements = int64_t(1) << 18;
-    const float* w = W.f32();
-    if (out * in < kThreadedGemvElements) {
-      for (int64_t o = 0; o < out; ++o) {
-        const float* row = w + o * in;
-        float dot = 0;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < in; ++i) dot += row[i] * x[i];
-        y[o] = (accumulate ? y[o] : 0.0f) + dot + (bias ? bias->f32()[o] : 0.0f);
-      }
-      return;
-    }
-    if (!accumulate && bias) std::memcpy(y, bias->f32(), size_t(out) * sizeof(float));
-    cblas_sgemv(CblasRowMajor, CblasNoTrans, int(out), int(in), 1.0f, w, int(in), x, 1,
-                accumulate || bias ? 1.0f : 0.0f, y, 1);
-    if (accumulate && bias) add_bias_rows(y, 1, *bias);
-    return;
-  }
   if (accumulate) {
     ops::linear_accumulate(x, T, in, W.f32(), out, y);
     if (bias) add_bias_rows(y, T, *bias);
