@@ -453,12 +453,16 @@ TEST(KimiLinearRandomConfig, SessionDecodeEqualsForward) {
   const double chunks = worst_row_error(feed_in_pieces(*lm, ids, {100, 3}), 0, whole, 0, T);
   std::printf("random config: worst position, decode %.3g, pieces %.3g, chunks %.3g\n", decode,
               pieces, chunks);
-  EXPECT_LE(decode, 1e-5);
-  EXPECT_LE(pieces, 1e-5);
-  EXPECT_LE(chunks, 1e-5);
+  // O(1) activations through five layers, with every sum ordered differently between the paths
+  // (GEMV vs GEMM, recurrent vs chunked KDA, absorbed vs expanded MLA): measured <= 6e-6, held
+  // at 2e-5 so other CPUs' BLAS kernels pass too (the fixture above holds 1e-5 with 6e-7).
+  constexpr double kTolerance = 2e-5;
+  EXPECT_LE(decode, kTolerance);
+  EXPECT_LE(pieces, kTolerance);
+  EXPECT_LE(chunks, kTolerance);
   // A shorter forward is the prefix of the longer one (causality).
   const Tensor prefix = lm->forward(std::span(ids).first(40));
-  EXPECT_LE(worst_row_error(prefix, 0, whole, 0, 40), 1e-5);
+  EXPECT_LE(worst_row_error(prefix, 0, whole, 0, 40), kTolerance);
 }
 
 }  // namespace
