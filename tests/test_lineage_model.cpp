@@ -118,7 +118,9 @@ TEST(Tasks, StackAndPalindromeTargetsAreRecoverable) {
       if (b.targets[i] < 0) continue;
       ++scored;
       EXPECT_GE(b.targets[i], 2);
-      if ((i + 1) % b.T) EXPECT_EQ(b.inputs[i + 1], b.targets[i]);  // teacher forcing
+      if ((i + 1) % b.T) {
+        EXPECT_EQ(b.inputs[i + 1], b.targets[i]);  // teacher forcing
+      }
     }
     EXPECT_GT(scored, 10 * 5);
   }
