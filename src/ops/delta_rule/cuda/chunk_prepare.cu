@@ -23,42 +23,58 @@ constexpr int C = kChunk;
 constexpr int kThreads = 256;
 constexpr float kLog2e = 1.4426950408889634f;
 
+// Shared memory, sized for three blocks per SM (about 74 KB at K = V = 128). Regions are reused
+// across phases once their contents are dead:
+//   b:  Qs, Kn (phases 2-3)            -> X (fp32, phase 4) and V (phase 5, loaded during 4)
+//   ks: Ks (phases 2-5)
+//   l:  segment totals (phase 1) -> L (fp32, phases 3-4; the unused upper blocks (J, 3) hold
+//       the merge temporaries Y) -> T (bf16, phase 5)
+//   small: beta[C], scalar G[C], Ga[4][K] (G at the 16-row anchors), Gl[K] (G at the last
+//          row), F[6][K] (2^(G_aI - G_aJ))
 template <Gate GATE, int K, int V>
 struct PrepareLayout {
-  static constexpr int LDK = K + 8, LDV = V + 8, LDG = K + 4, LDL = C + 4, LDT = C + 8;
+  static constexpr int LDK = K + 8, LDV = V + 8, LDL = C + 4, LDT = C + 8;
   static constexpr size_t bytes_v = size_t(C) * LDV * 2;
   static constexpr size_t bytes_krow = size_t(C) * LDK * 2;
-  static constexpr size_t bytes_g = GATE == Gate::channel ? size_t(C) * LDG * 4 : 0;
   static constexpr size_t bytes_l = size_t(C) * LDL * 4, bytes_t = size_t(C) * LDT * 2;
-  static constexpr size_t bytes_x = size_t(C) * LDL * 4, bytes_y = 3 * 16 * 16 * 4;
-  static constexpr size_t region_a = std::max(bytes_g, bytes_l + bytes_t);         // G, then L + T
-  static constexpr size_t region_b = std::max(2 * bytes_krow, bytes_x + bytes_y);  // Qs Kn, X Y
-  static constexpr size_t off_v = 0, off_b = bytes_v, off_ks = off_b + region_b;
-  static constexpr size_t off_a = off_ks + bytes_krow, off_small = off_a + region_a;
-  // small: beta[64], scalar G[64], F[6][K] (2^(G_aI - G_aJ)), E[4][K] (2^(G_aJ))
-  static constexpr size_t total = off_small + (2 * C + 10 * K) * 4;
+  static constexpr size_t bytes_x = size_t(C) * LDL * 4;
+  static constexpr size_t region_b = std::max(2 * bytes_krow, bytes_x + bytes_v);
+  static constexpr size_t off_b = 0, off_ks = region_b, off_l = off_ks + bytes_krow;
+  static constexpr size_t off_small = off_l + bytes_l;
+  static constexpr size_t total = off_small + (2 * C + 11 * K) * 4;
+  static_assert(bytes_t <= bytes_l, "T lives in L's region");
+  static_assert(size_t(kThreads) * 2 * 4 <= bytes_l, "segment totals live in L's region");
+};
+
+// Phase 1-2 thread mapping: a pair of channels (2 c0, 2 c0 + 1) and kRows consecutive rows.
+template <int K>
+struct PairMap {
+  static constexpr int kPairs = K / 2, kSegs = kThreads / kPairs, kRows = C / kSegs;
+  static_assert(kRows <= 16 && 16 % kRows == 0, "a segment stays inside one 16-row block");
 };
 
 template <Gate GATE, int K, int V>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, 3)
     chunk_prepare_kernel(const ChunkTokens x, const ChunkWorkspace ws) {
   using L = PrepareLayout<GATE, K, V>;
-  constexpr int LDK = L::LDK, LDV = L::LDV, LDG = L::LDG, LDL = L::LDL, LDT = L::LDT;
+  using P = PairMap<K>;
+  constexpr int LDK = L::LDK, LDV = L::LDV, LDL = L::LDL, LDT = L::LDT;
+  constexpr int kRows = P::kRows;
   constexpr bool kChannel = GATE == Gate::channel;
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16* sV = reinterpret_cast<bf16*>(smem + L::off_v);
   bf16* sQs = reinterpret_cast<bf16*>(smem + L::off_b);
   bf16* sKn = reinterpret_cast<bf16*>(smem + L::off_b + L::bytes_krow);
   float* sX = reinterpret_cast<float*>(smem + L::off_b);
-  float* sY = reinterpret_cast<float*>(smem + L::off_b + L::bytes_x);
+  bf16* sV = reinterpret_cast<bf16*>(smem + L::off_b + L::bytes_x);
   bf16* sKs = reinterpret_cast<bf16*>(smem + L::off_ks);
-  float* sG = reinterpret_cast<float*>(smem + L::off_a);
-  float* sL = reinterpret_cast<float*>(smem + L::off_a);
-  bf16* sT = reinterpret_cast<bf16*>(smem + L::off_a + L::bytes_l);
+  float* sL = reinterpret_cast<float*>(smem + L::off_l);
+  float* sTot = sL;
+  bf16* sT = reinterpret_cast<bf16*>(smem + L::off_l);
   float* sBeta = reinterpret_cast<float*>(smem + L::off_small);
   float* sGs = sBeta + C;
-  float* sF = sGs + C;
-  float* sE = sF + 6 * K;
+  float* sGa = sGs + C;
+  float* sGl = sGa + 4 * K;
+  float* sF = sGl + K;
 
   const int64_t chunk = blockIdx.x;
   const int hv = blockIdx.y;
@@ -68,141 +84,146 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gr = lane >> 2, tq = lane & 3;
   const size_t row_base = (size_t(chunk) * x.HV + hv) * C;
+  const int c0 = 2 * (tid % P::kPairs), row0 = (tid / P::kPairs) * kRows;
 
-  // q, k rows for phase 2, fetched now so their latency hides behind phase 1
-  constexpr int kItems = C * K / 8 / kThreads;
-  uint4 q_raw[kItems], k_raw[kItems];
-#pragma unroll
-  for (int it = 0; it < kItems; ++it) {
-    const int idx = tid + it * kThreads, i = idx / (K / 8), c = (idx % (K / 8)) * 8;
-    q_raw[it] = k_raw[it] = make_uint4(0, 0, 0, 0);
+  // ---- phase 1: q, k tiles (async, scaled in place in phase 2), beta, gate cumulative sums ----
+  for (int idx = tid; idx < C * K / 8; idx += kThreads) {
+    const int i = idx / (K / 8), c = (idx % (K / 8)) * 8;
+    bf16* dq = sQs + i * LDK + c;
+    bf16* dk = sKs + i * LDK + c;
     if (i < len) {
-      q_raw[it] = *reinterpret_cast<const uint4*>(x.q + (size_t(tok0 + i) * x.H + h) * K + c);
-      k_raw[it] = *reinterpret_cast<const uint4*>(x.k + (size_t(tok0 + i) * x.H + h) * K + c);
+      cp_async16(dq, x.q + (size_t(tok0 + i) * x.H + h) * K + c);
+      cp_async16(dk, x.k + (size_t(tok0 + i) * x.H + h) * K + c);
+    } else {
+      *reinterpret_cast<uint4*>(dq) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(dk) = make_uint4(0, 0, 0, 0);
     }
-  }
-
-  // ---- phase 1: v tile (async), beta, gate cumulative sums ----
-  for (int idx = tid; idx < C * V / 8; idx += kThreads) {
-    const int i = idx / (V / 8), c = (idx % (V / 8)) * 8;
-    bf16* dst = sV + i * LDV + c;
-    if (i < len)
-      cp_async16(dst, x.v + (size_t(tok0 + i) * x.HV + hv) * V + c);
-    else
-      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
   }
   cp_async_commit();
   if (tid < C) sBeta[tid] = tid < len ? to_f32(x.beta[size_t(tok0 + tid) * x.HV + hv]) : 0.f;
 
-  if constexpr (kChannel) {
-    constexpr int kSegs = kThreads / K, kRows = C / kSegs;
-    const int c = tid % K, seg = tid / K;
-    float gl[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int i = seg * kRows + r;
-      gl[r] = i < len ? to_f32(x.g[(size_t(tok0 + i) * x.HV + hv) * K + c]) * kLog2e : 0.f;
-    }
-    float run = 0.f;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      run += gl[r];
-      sG[(seg * kRows + r) * LDG + c] = run;
-    }
-    __syncthreads();
-    float offset = 0.f;
-    for (int s = 0; s < seg; ++s) offset += sG[((s + 1) * kRows - 1) * LDG + c];
-    __syncthreads();
-    if (seg > 0) {
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) sG[(seg * kRows + r) * LDG + c] += offset;
-    }
-  } else if constexpr (GATE == Gate::scalar) {
-    if (warp == 0) {
-      const int i0 = 2 * lane, i1 = 2 * lane + 1;
-      const float x0 = i0 < len ? to_f32(x.g[size_t(tok0 + i0) * x.HV + hv]) * kLog2e : 0.f;
-      const float x1 = i1 < len ? to_f32(x.g[size_t(tok0 + i1) * x.HV + hv]) * kLog2e : 0.f;
-      float scan = x0 + x1;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const float up = __shfl_up_sync(0xffffffffu, scan, off);
-        if (lane >= off) scan += up;
-      }
-      sGs[i1] = scan;
-      sGs[i0] = scan - x1;
-    }
-  } else {
-    if (tid < C) sGs[tid] = 0.f;
-  }
-  __syncthreads();
-
-  // ---- phase 2: scaled operands (smem) and Qt, Kd, exp(G_C) (workspace) ----
-#pragma unroll
-  for (int it = 0; it < kItems; ++it) {
-    const int idx = tid + it * kThreads, i = idx / (K / 8), c = (idx % (K / 8)) * 8;
-    float q8[8], k8[8];
-    load8(reinterpret_cast<const bf16*>(&q_raw[it]), q8);
-    load8(reinterpret_cast<const bf16*>(&k_raw[it]), k8);
-    float qs[8], ks[8], kn[8], qt[8], kd[8];
-    if constexpr (kChannel) {
-      const float* gi = sG + i * LDG + c;
-      const float* ga = sG + (i & ~15) * LDG + c;
-      const float* gl = sG + (len - 1) * LDG + c;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const float rel = gi[e] - ga[e];
-        const float es = fast_exp2(rel);
-        qs[e] = q8[e] * es;
-        ks[e] = k8[e] * es;
-        kn[e] = k8[e] * fast_exp2(-rel);
-        qt[e] = x.scale * q8[e] * fast_exp2(gi[e]);
-        kd[e] = k8[e] * fast_exp2(gl[e] - gi[e]);
-      }
-    } else {
-      const float eq = x.scale * fast_exp2(sGs[i]), ed = fast_exp2(sGs[len - 1] - sGs[i]);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        qs[e] = q8[e];
-        ks[e] = kn[e] = k8[e];
-        qt[e] = q8[e] * eq;
-        kd[e] = k8[e] * ed;
-      }
-    }
-    store8_bf16(sQs + i * LDK + c, qs);
-    store8_bf16(sKs + i * LDK + c, ks);
-    store8_bf16(sKn + i * LDK + c, kn);
-    store8_bf16(ws.Qt + (row_base + i) * K + c, qt);
-    store8_bf16(ws.Kd + (row_base + i) * K + c, kd);
-  }
   float* gC = ws.gC + (size_t(chunk) * x.HV + hv) * K;
   if constexpr (kChannel) {
+    // G of this thread's channel pair and rows, in registers (rows past the end add 0)
+    float g0[kRows], g1[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int i = row0 + r;
+      float2 f = make_float2(0.f, 0.f);
+      if (i < len)
+        f = unpack_bf16(
+            *reinterpret_cast<const uint32_t*>(x.g + (size_t(tok0 + i) * x.HV + hv) * K + c0));
+      g0[r] = f.x * kLog2e;
+      g1[r] = f.y * kLog2e;
+    }
+#pragma unroll
+    for (int r = 1; r < kRows; ++r) {
+      g0[r] += g0[r - 1];
+      g1[r] += g1[r - 1];
+    }
+    const int seg = row0 / kRows;
+    *reinterpret_cast<float2*>(sTot + seg * K + c0) = make_float2(g0[kRows - 1], g1[kRows - 1]);
+    __syncthreads();
+    float off0 = 0.f, off1 = 0.f;
+    for (int s = 0; s < seg; ++s) {
+      const float2 t = *reinterpret_cast<const float2*>(sTot + s * K + c0);
+      off0 += t.x;
+      off1 += t.y;
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      g0[r] += off0;
+      g1[r] += off1;
+      const int i = row0 + r;
+      if ((i & 15) == 0)
+        *reinterpret_cast<float2*>(sGa + (i >> 4) * K + c0) = make_float2(g0[r], g1[r]);
+      if (i == len - 1) *reinterpret_cast<float2*>(sGl + c0) = make_float2(g0[r], g1[r]);
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // ---- phase 2: scaled operands (in place in smem) and Qt, Kd, exp(G_C) (workspace) ----
+    const float2 gl = *reinterpret_cast<const float2*>(sGl + c0);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int i = row0 + r;
+      const float2 ga = *reinterpret_cast<const float2*>(sGa + (i >> 4) * K + c0);
+      uint32_t* pq = reinterpret_cast<uint32_t*>(sQs + i * LDK + c0);
+      uint32_t* pk = reinterpret_cast<uint32_t*>(sKs + i * LDK + c0);
+      const float2 q2 = unpack_bf16(*pq), k2 = unpack_bf16(*pk);
+      const float rel0 = g0[r] - ga.x, rel1 = g1[r] - ga.y;
+      const float es0 = fast_exp2(rel0), es1 = fast_exp2(rel1);
+      *pq = pack_bf16(q2.x * es0, q2.y * es1);
+      *pk = pack_bf16(k2.x * es0, k2.y * es1);
+      *reinterpret_cast<uint32_t*>(sKn + i * LDK + c0) =
+          pack_bf16(k2.x * fast_exp2(-rel0), k2.y * fast_exp2(-rel1));
+      *reinterpret_cast<uint32_t*>(ws.Qt + (row_base + i) * K + c0) =
+          pack_bf16(x.scale * q2.x * fast_exp2(g0[r]), x.scale * q2.y * fast_exp2(g1[r]));
+      *reinterpret_cast<uint32_t*>(ws.Kd + (row_base + i) * K + c0) =
+          pack_bf16(k2.x * fast_exp2(gl.x - g0[r]), k2.y * fast_exp2(gl.y - g1[r]));
+    }
     for (int idx = tid; idx < 6 * K; idx += kThreads) {
       const int p = idx / K, c = idx % K;
       const int I = p < 1 ? 1 : p < 3 ? 2 : 3;
       const int J = p - I * (I - 1) / 2;
-      sF[idx] = fast_exp2(sG[16 * I * LDG + c] - sG[16 * J * LDG + c]);
+      sF[idx] = fast_exp2(sGa[I * K + c] - sGa[J * K + c]);
     }
-    for (int idx = tid; idx < 4 * K; idx += kThreads)
-      sE[idx] = fast_exp2(sG[16 * (idx / K) * LDG + idx % K]);
-    for (int c = tid; c < K; c += kThreads) gC[c] = fast_exp2(sG[(len - 1) * LDG + c]);
+    for (int c = tid; c < K; c += kThreads) gC[c] = fast_exp2(sGl[c]);
   } else {
-    const float last = fast_exp2(sGs[len - 1]);
-    for (int c = tid; c < K; c += kThreads) gC[c] = last;
+    if constexpr (GATE == Gate::scalar) {
+      if (warp == 0) {
+        const int i0 = 2 * lane, i1 = 2 * lane + 1;
+        const float x0 = i0 < len ? to_f32(x.g[size_t(tok0 + i0) * x.HV + hv]) * kLog2e : 0.f;
+        const float x1 = i1 < len ? to_f32(x.g[size_t(tok0 + i1) * x.HV + hv]) * kLog2e : 0.f;
+        float scan = x0 + x1;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+          const float up = __shfl_up_sync(0xffffffffu, scan, off);
+          if (lane >= off) scan += up;
+        }
+        sGs[i1] = scan;
+        sGs[i0] = scan - x1;
+      }
+    } else {
+      if (tid < C) sGs[tid] = 0.f;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // ---- phase 2: Qt, Kd, exp(G_C) (workspace); the smem operands stay as loaded ----
+    const float last = sGs[len - 1];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int i = row0 + r;
+      const float eq = x.scale * fast_exp2(sGs[i]), ed = fast_exp2(last - sGs[i]);
+      const float2 q2 = unpack_bf16(*reinterpret_cast<const uint32_t*>(sQs + i * LDK + c0));
+      const float2 k2 = unpack_bf16(*reinterpret_cast<const uint32_t*>(sKs + i * LDK + c0));
+      *reinterpret_cast<uint32_t*>(ws.Qt + (row_base + i) * K + c0) =
+          pack_bf16(q2.x * eq, q2.y * eq);
+      *reinterpret_cast<uint32_t*>(ws.Kd + (row_base + i) * K + c0) =
+          pack_bf16(k2.x * ed, k2.y * ed);
+    }
+    const float e_last = fast_exp2(last);
+    for (int c = tid; c < K; c += kThreads) gC[c] = e_last;
   }
-  cp_async_wait<0>();
   __syncthreads();
 
   // ---- phase 3: M = scale * masked(Q K^T decayed) -> workspace, L = beta * strict(K K^T) ----
+  // 26 units spread over the 8 warps (3 or 4 each): the 10 lower 16x16 blocks (J <= I) of M,
+  // the 10 of L, and the 6 upper blocks of M (and A) that are zero.
   {
-    const bool is_m = warp < 4;
-    const int I = warp & 3;
-    const bf16* A = is_m ? sQs : sKs;
-    for (int J = 0; J < 4; ++J) {
-      float acc[2][4] = {};
-      if (J <= I) {
+    const bf16* Bop = kChannel ? sKn : sKs;
+    for (int u = warp; u < 26; u += 8) {
+      if (u < 20) {
+        const bool is_m = u < 10;
+        const int b = is_m ? u : u - 10;
+        const int I = b < 1 ? 0 : b < 3 ? 1 : b < 6 ? 2 : 3;
+        const int J = b - I * (I + 1) / 2;
+        const bf16* A = is_m ? sQs : sKs;
+        float acc[2][4] = {};
 #pragma unroll
         for (int kk = 0; kk < K / 16; ++kk) {
-          uint32_t a[4], b[4];
+          uint32_t a[4], bb[4];
           load_a(a, A, LDK, 16 * I, 16 * kk, lane);
           if constexpr (kChannel) {
             if (J < I) {
@@ -215,39 +236,63 @@ __global__ void __launch_bounds__(kThreads, 2)
               a[3] = scale_bf16x2(a[3], f1.x, f1.y);
             }
           }
-          load_b_nk(b, sKn, LDK, 16 * kk, 16 * J, lane);
-          mma_bf16(acc[0], a, b[0], b[1]);
-          mma_bf16(acc[1], a, b[2], b[3]);
+          load_b_nk(bb, Bop, LDK, 16 * kk, 16 * J, lane);
+          mma_bf16(acc[0], a, bb[0], bb[1]);
+          mma_bf16(acc[1], a, bb[2], bb[3]);
         }
-      }
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
+        for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = 16 * I + gr + 8 * half, j = 16 * J + 8 * nt + 2 * tq;
-          float v0 = acc[nt][2 * half], v1 = acc[nt][2 * half + 1];
-          if constexpr (!kChannel) {
-            v0 *= j <= r ? fast_exp2(sGs[r] - sGs[j]) : 0.f;
-            v1 *= j + 1 <= r ? fast_exp2(sGs[r] - sGs[j + 1]) : 0.f;
+          for (int half = 0; half < 2; ++half) {
+            const int r = 16 * I + gr + 8 * half, j = 16 * J + 8 * nt + 2 * tq;
+            float v0 = acc[nt][2 * half], v1 = acc[nt][2 * half + 1];
+            if constexpr (!kChannel) {
+              v0 *= j <= r ? fast_exp2(sGs[r] - sGs[j]) : 0.f;
+              v1 *= j + 1 <= r ? fast_exp2(sGs[r] - sGs[j + 1]) : 0.f;
+            }
+            if (is_m) {
+              v0 = j <= r ? v0 * x.scale : 0.f;
+              v1 = j + 1 <= r ? v1 * x.scale : 0.f;
+              *reinterpret_cast<uint32_t*>(ws.M + (row_base + r) * C + j) = pack_bf16(v0, v1);
+            } else {
+              v0 = j < r ? v0 : 0.f;
+              v1 = j + 1 < r ? v1 : 0.f;
+              if (ws.A)  // backward: the decayed K K^T before beta
+                *reinterpret_cast<uint32_t*>(ws.A + (row_base + r) * C + j) = pack_bf16(v0, v1);
+              v0 *= sBeta[r];
+              v1 *= sBeta[r];
+              *reinterpret_cast<float2*>(sL + r * LDL + j) = make_float2(v0, v1);
+            }
           }
-          if (is_m) {
-            v0 = j <= r ? v0 * x.scale : 0.f;
-            v1 = j + 1 <= r ? v1 * x.scale : 0.f;
-            *reinterpret_cast<uint32_t*>(ws.M + (row_base + r) * C + j) = pack_bf16(v0, v1);
-          } else {
-            v0 = j < r ? v0 : 0.f;
-            v1 = j + 1 < r ? v1 : 0.f;
-            if (ws.A)  // backward: the decayed K K^T before beta
-              *reinterpret_cast<uint32_t*>(ws.A + (row_base + r) * C + j) = pack_bf16(v0, v1);
-            v0 *= sBeta[r];
-            v1 *= sBeta[r];
-            *reinterpret_cast<float2*>(sL + r * LDL + j) = make_float2(v0, v1);
+        }
+      } else {
+        const int z = u - 20;  // upper blocks (0,1) (0,2) (0,3) (1,2) (1,3) (2,3)
+        const int I = z < 3 ? 0 : z < 5 ? 1 : 2;
+        const int J = z < 3 ? z + 1 : z < 5 ? z - 1 : 3;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int r = 16 * I + gr + 8 * half, j = 16 * J + 8 * nt + 2 * tq;
+            *reinterpret_cast<uint32_t*>(ws.M + (row_base + r) * C + j) = 0u;
+            if (ws.A) *reinterpret_cast<uint32_t*>(ws.A + (row_base + r) * C + j) = 0u;
           }
         }
       }
     }
   }
   __syncthreads();
+
+  // v tile for phase 5 (async; its region held Kn until now), hidden behind the solve
+  for (int idx = tid; idx < C * V / 8; idx += kThreads) {
+    const int i = idx / (V / 8), c = (idx % (V / 8)) * 8;
+    bf16* dst = sV + i * LDV + c;
+    if (i < len)
+      cp_async16(dst, x.v + (size_t(tok0 + i) * x.HV + hv) * V + c);
+    else
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+  }
+  cp_async_commit();
 
   // ---- phase 4: X = (I + L)^-1 by 16 x 16 blocks, then T = X diag(beta) ----
   if (warp < 4 && lane < 16) {
@@ -265,81 +310,113 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int r = 0; r < 16; ++r) sX[(16 * I + r) * LDL + 16 * I + c] = col[r];
   }
   __syncthreads();
+  // Merge stage d: the blocks (I, J) with I - J = d, X(I, J) = -X(I, I) sum_kb L(I, kb) X(kb, J).
+  // A thread owns 4 adjacent columns of one row (float4 operands: a quarter of the shared-memory
+  // loads of one column per thread). Y of block J lives in L's unused upper block (J, 3).
+  float* const sY = sL + 48;
   for (int d = 1; d < 4; ++d) {
-    const int blocks = 4 - d;
-    for (int idx = tid; idx < blocks * 256; idx += kThreads) {
-      const int J = idx >> 8, r = (idx >> 4) & 15, c = idx & 15, I = J + d;
-      float y = 0.f;
+    const int items = (4 - d) * 64;
+    const int J = tid >> 6, r = (tid >> 2) & 15, c = 4 * (tid & 3), I = J + d;
+    if (tid < items) {
+      float4 y = make_float4(0.f, 0.f, 0.f, 0.f);
       for (int kb = J; kb < I; ++kb) {
 #pragma unroll
-        for (int m = 0; m < 16; ++m)
-          y += sL[(16 * I + r) * LDL + 16 * kb + m] * sX[(16 * kb + m) * LDL + 16 * J + c];
+        for (int m = 0; m < 16; ++m) {
+          const float l = sL[(16 * I + r) * LDL + 16 * kb + m];
+          const float4 xv = *reinterpret_cast<const float4*>(sX + (16 * kb + m) * LDL + 16 * J + c);
+          y.x += l * xv.x;
+          y.y += l * xv.y;
+          y.z += l * xv.z;
+          y.w += l * xv.w;
+        }
       }
-      sY[idx] = y;
+      *reinterpret_cast<float4*>(sY + (16 * J + r) * LDL + c) = y;
     }
     __syncthreads();
-    for (int idx = tid; idx < blocks * 256; idx += kThreads) {
-      const int J = idx >> 8, r = (idx >> 4) & 15, c = idx & 15, I = J + d;
-      float v = 0.f;
+    if (tid < items) {
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-      for (int m = 0; m < 16; ++m)
-        v -= sX[(16 * I + r) * LDL + 16 * I + m] * sY[(J << 8) + m * 16 + c];
-      sX[(16 * I + r) * LDL + 16 * J + c] = v;
+      for (int m = 0; m < 16; ++m) {
+        const float xd = sX[(16 * I + r) * LDL + 16 * I + m];
+        const float4 yv = *reinterpret_cast<const float4*>(sY + (16 * J + m) * LDL + c);
+        v.x -= xd * yv.x;
+        v.y -= xd * yv.y;
+        v.z -= xd * yv.z;
+        v.w -= xd * yv.w;
+      }
+      *reinterpret_cast<float4*>(sX + (16 * I + r) * LDL + 16 * J + c) = v;
     }
     __syncthreads();
   }
-  for (int idx = tid; idx < C * C; idx += kThreads) {
-    const int i = idx / C, j = idx % C;
-    const float xv = j <= i ? sX[i * LDL + j] : 0.f;
-    sT[i * LDT + j] = __float2bfloat16_rn(xv * sBeta[j]);
-    if (ws.X) ws.X[(row_base + i) * C + j] = __float2bfloat16_rn(xv);  // backward
+  for (int idx = tid; idx < C * C / 4; idx += kThreads) {  // T overwrites L (dead now)
+    const int i = idx / (C / 4), j = 4 * (idx % (C / 4));
+    const float4 xr = *reinterpret_cast<const float4*>(sX + i * LDL + j);
+    const float4 be = *reinterpret_cast<const float4*>(sBeta + j);
+    // entries above the diagonal are selected away, never multiplied (they may hold garbage)
+    const float x0 = j <= i ? xr.x : 0.f, x1 = j + 1 <= i ? xr.y : 0.f;
+    const float x2 = j + 2 <= i ? xr.z : 0.f, x3 = j + 3 <= i ? xr.w : 0.f;
+    *reinterpret_cast<uint2*>(sT + i * LDT + j) =
+        make_uint2(pack_bf16(x0 * be.x, x1 * be.y), pack_bf16(x2 * be.z, x3 * be.w));
+    if (ws.X)  // backward
+      *reinterpret_cast<uint2*>(ws.X + (row_base + i) * C + j) =
+          make_uint2(pack_bf16(x0, x1), pack_bf16(x2, x3));
   }
+  cp_async_wait<0>();
   __syncthreads();
 
-  // ---- phase 5: U = T V (warps 0-3), W = T Kt (warps 4-7); 16 rows per warp ----
-  const int I = warp & 3;
+  // ---- phase 5: U = T V (warps 0-3), W = T Kt (warps 4-7); each warp a quarter of the
+  // columns for all 64 rows, so every B fragment (and its decay scaling) serves the row blocks
+  // I >= J, and the four warps of a product carry the same work ----
+  const int slice = warp & 3;
   auto lower_times = [&](auto n_const, const bf16* src, int ld, bool scale_rows, bf16* out) {
     constexpr int N = decltype(n_const)::value;
-    float acc[N / 8][4] = {};
-    for (int J = 0; J <= I; ++J) {
-      uint32_t a[4];
-      load_a(a, sT, LDT, 16 * I, 16 * J, lane);
-      float e0 = 1.f, e1 = 1.f, e8 = 1.f, e9 = 1.f;
-      if (!kChannel && GATE != Gate::none && scale_rows) {
-        e0 = fast_exp2(sGs[16 * J + 2 * tq]);
-        e1 = fast_exp2(sGs[16 * J + 2 * tq + 1]);
-        e8 = fast_exp2(sGs[16 * J + 2 * tq + 8]);
-        e9 = fast_exp2(sGs[16 * J + 2 * tq + 9]);
-      }
+    constexpr int kGroups = N / 64;  // 16-column groups per warp
+#pragma unroll 1
+    for (int gi = 0; gi < kGroups; ++gi) {
+      const int np = slice * kGroups + gi;
+      float acc[4][2][4] = {};
 #pragma unroll
-      for (int np = 0; np < N / 16; ++np) {
+      for (int J = 0; J < 4; ++J) {
         uint32_t b[4];
         load_b_kn(b, src, ld, 16 * J, 16 * np, lane);
         if (scale_rows) {
           if constexpr (kChannel) {
-            const float f0 = sE[J * K + 16 * np + gr], f1 = sE[J * K + 16 * np + 8 + gr];
+            const float f0 = fast_exp2(sGa[J * K + 16 * np + gr]);
+            const float f1 = fast_exp2(sGa[J * K + 16 * np + 8 + gr]);
             b[0] = scale_bf16x2(b[0], f0, f0);
             b[1] = scale_bf16x2(b[1], f0, f0);
             b[2] = scale_bf16x2(b[2], f1, f1);
             b[3] = scale_bf16x2(b[3], f1, f1);
           } else if constexpr (GATE == Gate::scalar) {
+            const float e0 = fast_exp2(sGs[16 * J + 2 * tq]);
+            const float e1 = fast_exp2(sGs[16 * J + 2 * tq + 1]);
+            const float e8 = fast_exp2(sGs[16 * J + 2 * tq + 8]);
+            const float e9 = fast_exp2(sGs[16 * J + 2 * tq + 9]);
             b[0] = scale_bf16x2(b[0], e0, e1);
             b[1] = scale_bf16x2(b[1], e8, e9);
             b[2] = scale_bf16x2(b[2], e0, e1);
             b[3] = scale_bf16x2(b[3], e8, e9);
           }
         }
-        mma_bf16(acc[2 * np], a, b[0], b[1]);
-        mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
-      }
-    }
 #pragma unroll
-    for (int nt = 0; nt < N / 8; ++nt) {
-      const int r = 16 * I + gr, col = 8 * nt + 2 * tq;
-      *reinterpret_cast<uint32_t*>(out + (row_base + r) * N + col) =
-          pack_bf16(acc[nt][0], acc[nt][1]);
-      *reinterpret_cast<uint32_t*>(out + (row_base + r + 8) * N + col) =
-          pack_bf16(acc[nt][2], acc[nt][3]);
+        for (int I = J; I < 4; ++I) {
+          uint32_t a[4];
+          load_a(a, sT, LDT, 16 * I, 16 * J, lane);
+          mma_bf16(acc[I][0], a, b[0], b[1]);
+          mma_bf16(acc[I][1], a, b[2], b[3]);
+        }
+      }
+#pragma unroll
+      for (int I = 0; I < 4; ++I) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const int r = 16 * I + gr, col = 16 * np + 8 * nt + 2 * tq;
+          *reinterpret_cast<uint32_t*>(out + (row_base + r) * N + col) =
+              pack_bf16(acc[I][nt][0], acc[I][nt][1]);
+          *reinterpret_cast<uint32_t*>(out + (row_base + r + 8) * N + col) =
+              pack_bf16(acc[I][nt][2], acc[I][nt][3]);
+        }
+      }
     }
   };
   if (warp < 4)
@@ -355,6 +432,11 @@ void launch(const ChunkTokens& x, const ChunkWorkspace& ws, cudaStream_t stream)
     check_cuda(cudaFuncSetAttribute(chunk_prepare_kernel<GATE, K, V>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::total)),
                "chunk_prepare shared memory limit");
+    // all of the unified L1 as shared memory: three blocks per SM need 3 x 74 KB
+    check_cuda(cudaFuncSetAttribute(chunk_prepare_kernel<GATE, K, V>,
+                                    cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    int(cudaSharedmemCarveoutMaxShared)),
+               "chunk_prepare shared memory carveout");
     return true;
   }();
   (void)configured;
