@@ -112,16 +112,6 @@ TEST(DeltaRule, DecodeStepByStepMatchesPrefill) {
   }
 }
 
-// sum(o * d_o) + sum(ht * d_ht) through the float64 reference
-double reference_loss(const testing::DeltaProblem& p, const std::vector<double>& d_o,
-                      const std::vector<double>& d_ht) {
-  const auto r = testing::run_reference(p);
-  double loss = 0;
-  for (size_t i = 0; i < r.o.size(); ++i) loss += r.o[i] * d_o[i];
-  for (size_t i = 0; i < r.ht.size(); ++i) loss += r.ht[i] * d_ht[i];
-  return loss;
-}
-
 // Central finite differences of the float64 reference for every element of `x`.
 std::vector<double> finite_difference(testing::DeltaProblem p,
                                       std::vector<float> testing::DeltaProblem::*field,
