@@ -63,11 +63,6 @@ double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
   return den > 0 ? std::sqrt(num / den) : INFINITY;
 }
 
-// Token rows [t0, t1) of a [T, width] token-major buffer.
-std::vector<float> rows(const std::vector<float>& x, int64_t width, int64_t t0, int64_t t1) {
-  return std::vector<float>(x.begin() + t0 * width, x.begin() + t1 * width);
-}
-
 struct Tokens {
   int64_t T, H, D;
   std::vector<float> q, k, v, g_channel, g_scalar, beta;
