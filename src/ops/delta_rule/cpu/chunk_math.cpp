@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/blas.h"
+#include "core/fast_math.h"
 
 namespace kda::ops::detail {
 
@@ -25,11 +26,13 @@ std::vector<int64_t> plan_chunks(const DeltaRuleInputs<float>& in, int64_t seq_s
     int64_t c = 0;
     while (c < max_chunk && t + c < length) {
       const float* g = in.g + ((seq_start + t + c) * s.HV + hv) * gw;
-      bool fits = true;
+      float lowest = 0.0f, highest = 0.0f;  // min/max reductions vectorise; a branch would not
       for (int64_t i = 0; i < gw; ++i) {
         const float next = G[i] + g[i];
-        if (next < -kMaxNegativeLogDecay || next > kMaxPositiveLogGrowth) fits = false;
+        lowest = std::min(lowest, next);
+        highest = std::max(highest, next);
       }
+      const bool fits = lowest >= -kMaxNegativeLogDecay && highest <= kMaxPositiveLogGrowth;
       if (!fits && c > 0) break;  // a single token always forms a chunk
       for (int64_t i = 0; i < gw; ++i) G[i] += g[i];
       ++c;
@@ -68,12 +71,26 @@ void ChunkWork::load_and_prepare(const DeltaRuleInputs<float>& in, int64_t seq_s
       for (int64_t c = 0; c < K; ++c) Gi[c] = (prev ? prev[c] : 0.0f) + g[gw == 1 ? 0 : c];
     }
   }
-  for (int64_t i = 0; i < C * K; ++i) {
-    E[i] = std::exp(G[i]);
-    Einv[i] = 1.0f / E[i];
-    Qt[i] = q[i] * E[i];
-    Kt[i] = k[i] * E[i];
-    Ki[i] = k[i] * Einv[i];
+  {
+    // separate restrict pointers: the members' buffers never alias, and saying so lets the
+    // loop vectorise (with fast_exp inlined)
+    const float* __restrict g = G.data();
+    const float* __restrict qs = q.data();
+    const float* __restrict ks = k.data();
+    float* __restrict e = E.data();
+    float* __restrict einv = Einv.data();
+    float* __restrict qt = Qt.data();
+    float* __restrict kt = Kt.data();
+    float* __restrict ki = Ki.data();
+#pragma omp simd
+    for (int64_t i = 0; i < C * K; ++i) {
+      const float ei = fast_exp(g[i]), inv = fast_exp(-g[i]);
+      e[i] = ei;
+      einv[i] = inv;
+      qt[i] = qs[i] * ei;
+      kt[i] = ks[i] * ei;
+      ki[i] = ks[i] * inv;
+    }
   }
   for (int64_t c = 0; c < K; ++c) EC[c] = E[(C - 1) * K + c];
 
