@@ -1,9 +1,10 @@
-// kda train: trains a lineage-family model (any mixer per layer) on a synthetic task, with
-// checkpoints, bit-exact --resume, a progress line, a JSONL log and a loss plot.
+// kda train: trains a lineage-family model (any mixer per layer) on a synthetic task or a text
+// corpus, with checkpoints, bit-exact --resume, a progress line, a JSONL log and a loss plot.
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <string>
@@ -30,6 +31,8 @@ void print_usage() {
       "                 [--lr 1e-3] [--warmup min(100, steps/10)] [--weight-decay 0.1] [--clip "
       "1.0]\n"
       "                 [--save-every N] [--seed S] [--stop-after N]\n"
+      "                 [--text PATH --tokenizer TOK [--val-every 10] [--split-paragraphs]]\n"
+      "                 [--eval-every N] [--eval-examples N]\n"
       "       kda train --resume DIR [--stop-after N]\n"
       "\n"
       "Pattern letters, one per layer: A softmax attention, L linear attention, D DeltaNet,\n"
@@ -37,7 +40,14 @@ void print_usage() {
       "gradient clipping, warmup + cosine, no weight decay on norms and gate parameters.\n"
       "DIR holds config.json, model.safetensors, optimizer.safetensors, trainer_state.json,\n"
       "log.jsonl and loss.svg; Ctrl-C saves a checkpoint before exiting; --resume continues\n"
-      "bit for bit. --stop-after N stops (and saves) after N more steps.");
+      "bit for bit. --stop-after N stops (and saves) after N more steps.\n"
+      "\n"
+      "--text PATH trains a language model on a UTF-8 file or folder (each file a document, or\n"
+      "each blank-line-separated paragraph with --split-paragraphs), tokenized by TOK (a model\n"
+      "folder, NAME.tiktoken, tiktoken.model or GPT-2 vocab files) and packed into rows of\n"
+      "--seq-len tokens whose documents never see each other; every --val-every'th document is\n"
+      "held out. The vocabulary defaults to the tokenizer's. The validation loss is logged at\n"
+      "the end and every --eval-every steps, over --eval-examples rows (0: all; default 256).");
 }
 
 }  // namespace
@@ -49,11 +59,16 @@ int cmd_train(const Args& args) {
   std::string out_dir, resume_dir;
   int64_t stop_after = 0;
   bool vocab_set = false, warmup_set = false;
+  std::string text_path, tokenizer_path;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
       print_usage();
       return 0;
+    }
+    if (a == "--split-paragraphs") {  // a switch: no value
+      s.text.split_paragraphs = true;
+      continue;
     }
     const std::string v = flag_value(args, i);
     auto real = [&](const std::string& text) {
@@ -94,8 +109,19 @@ int cmd_train(const Args& args) {
       s.grad_accum = parse_int(v, a);
     else if (a == "--lr")
       s.optimizer.lr = float(real(v));
-    else if (a == "--warmup")
+    else if (a == "--warmup") {
       s.optimizer.warmup_steps = parse_int(v, a);
+      warmup_set = true;
+    } else if (a == "--text")
+      text_path = v;
+    else if (a == "--tokenizer")
+      tokenizer_path = v;
+    else if (a == "--val-every")
+      s.text.val_every = parse_int(v, a);
+    else if (a == "--eval-every")
+      s.eval_every = parse_int(v, a);
+    else if (a == "--eval-examples")
+      s.eval_examples = parse_int(v, a);
     else if (a == "--weight-decay")
       s.optimizer.weight_decay = float(real(v));
     else if (a == "--clip")
@@ -109,7 +135,12 @@ int cmd_train(const Args& args) {
     else
       throw Error("train: unknown option '" + a + "' (see kda train --help)");
   }
-  (void)vocab_set;
+  require(text_path.empty() == tokenizer_path.empty(), "train: --text and --tokenizer go together");
+  if (!text_path.empty()) {
+    s.text.path = text_path;
+    s.text.tokenizer = tokenizer_path;
+    if (!vocab_set) s.model.vocab = 0;  // the tokenizer's
+  }
   if (!warmup_set)
     s.optimizer.warmup_steps = std::max<int64_t>(1, std::min<int64_t>(100, s.steps / 10));
   require(out_dir.empty() != resume_dir.empty(), "train: give exactly one of --out and --resume");
@@ -118,12 +149,18 @@ int cmd_train(const Args& args) {
                                                 : train::Trainer::resume(resume_dir);
   const train::TrainSettings& run = trainer->settings();
   const std::string dir = resume_dir.empty() ? out_dir : resume_dir;
-  std::fprintf(stderr,
-               "kda train: pattern %s, %lld parameters, task %s (T = %lld), %s step %lld/%lld\n",
-               run.model.pattern.c_str(), (long long)trainer->num_params(),
-               train::task_name(run.task.task).c_str(), (long long)run.task.seq_len,
-               resume_dir.empty() ? "from" : "resuming at", (long long)trainer->step(),
-               (long long)run.steps);
+  std::string data = "task " + train::task_name(run.task.task);
+  if (const train::TextCorpus* c = trainer->corpus()) {
+    data = "text " + run.text.path + " (" + std::to_string(c->train.num_documents()) +
+           " documents, " + std::to_string(c->train.num_tokens()) + " tokens; validation " +
+           std::to_string(c->validation.num_documents()) + " documents, " +
+           std::to_string(c->validation.num_tokens()) + " tokens; vocab " +
+           std::to_string(run.model.vocab) + ")";
+  }
+  std::fprintf(stderr, "kda train: pattern %s, %lld parameters, %s, T = %lld, %s step %lld/%lld\n",
+               run.model.pattern.c_str(), (long long)trainer->num_params(), data.c_str(),
+               (long long)run.task.seq_len, resume_dir.empty() ? "from" : "resuming at",
+               (long long)trainer->step(), (long long)run.steps);
   std::signal(SIGINT, on_sigint);
   const bool tty = isatty(STDERR_FILENO);
   Stopwatch clock;
@@ -141,12 +178,33 @@ int cmd_train(const Args& args) {
       std::fprintf(stderr, "step %lld/%lld loss %.4f lr %.2e %.0f tok/s ETA %.0fs\n",
                    (long long)e.step, (long long)run.steps, e.loss, e.lr, e.tokens_per_s, eta);
     }
+    if (e.evaluation) {
+      std::fprintf(stderr, "%sstep %lld: validation loss %.4f, accuracy %.2f%% (%lld tokens)\n",
+                   tty ? "\n" : "", (long long)e.step, e.evaluation->loss,
+                   100 * e.evaluation->accuracy, (long long)e.evaluation->tokens);
+    }
   });
   if (tty) std::fprintf(stderr, "\n");
   if (g_interrupted.load()) {
     std::fprintf(stderr, "interrupted: saved the checkpoint at step %lld in %s\n",
                  (long long)trainer->step(), dir.c_str());
     return 130;
+  }
+  if (run.is_text()) {
+    const train::Evaluation e = trainer->evaluate_and_log();
+    if (e.tokens == 0) {
+      std::printf(
+          "step %lld: no validation split (--val-every 0); checkpoint, log.jsonl and "
+          "loss.svg in %s\n",
+          (long long)trainer->step(), dir.c_str());
+      return 0;
+    }
+    std::printf(
+        "step %lld: validation loss %.4f (perplexity %.1f), next-token accuracy %.2f%% over %lld "
+        "tokens; checkpoint, log.jsonl and loss.svg in %s\n",
+        (long long)trainer->step(), e.loss, std::exp(e.loss), 100 * e.accuracy, (long long)e.tokens,
+        dir.c_str());
+    return 0;
   }
   const double accuracy = trainer->evaluate();
   std::printf("step %lld: test accuracy %.2f%%; checkpoint, log.jsonl and loss.svg in %s\n",

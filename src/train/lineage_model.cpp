@@ -148,8 +148,20 @@ void LineageModel::zero_grad() {
 
 LineageModel::StepResult LineageModel::forward_backward(const int32_t* inputs,
                                                         const int32_t* targets, int64_t B,
-                                                        int64_t T, bool backward) {
+                                                        int64_t T, bool backward,
+                                                        std::span<const int64_t> cu_seqlens) {
   const int64_t d = config_.width, rows = B * T, V = config_.vocab, F = config_.mlp_hidden;
+  require(B >= 1 && T >= 1, "lineage model: B and T must be >= 1");
+  if (!cu_seqlens.empty()) {
+    require(cu_seqlens.size() >= 2 && cu_seqlens.front() == 0 && cu_seqlens.back() == rows,
+            "lineage model: cu_seqlens must start at 0 and end at B * T");
+    for (size_t i = 1; i < cu_seqlens.size(); ++i)
+      require(cu_seqlens[i] > cu_seqlens[i - 1],
+              "lineage model: cu_seqlens must increase strictly");
+    for (int64_t r = 1; r < B; ++r)
+      require(std::binary_search(cu_seqlens.begin(), cu_seqlens.end(), r * T),
+              "lineage model: cu_seqlens must hold every row start r * T");
+  }
   const float eps = config_.norm_eps;
   std::vector<float> h(rows * d), tmp(rows * d);
   for (int64_t r = 0; r < rows; ++r) {
@@ -162,7 +174,7 @@ LineageModel::StepResult LineageModel::forward_backward(const int32_t* inputs,
     b.a.resize(rows * d);
     b.inv1.resize(rows);
     rms_norm_forward(h.data(), rows, d, b.norm1->value.f32(), eps, b.a.data(), b.inv1.data());
-    b.mixer->forward(b.a.data(), B, T, tmp.data());
+    b.mixer->forward(b.a.data(), B, T, tmp.data(), cu_seqlens);
     for (int64_t i = 0; i < rows * d; ++i) h[i] += tmp[i];
     b.h_mid = h;
     b.b.resize(rows * d);

@@ -6,6 +6,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -51,9 +52,12 @@ class LineageModel {
     int64_t scored = 0, correct = 0;
   };
   // inputs, targets [B, T] (target -1: not scored). With backward, gradients are accumulated
-  // into Param::grad (zero them with zero_grad).
+  // into Param::grad (zero them with zero_grad). cu_seqlens (optional) marks document starts
+  // in the B * T flattened tokens: it starts at 0, ends at B * T, increases strictly and holds
+  // every row start r * T. Each document then runs as its own sequence (recurrent state from
+  // zero, attention within the document, RoPE positions from 0), exactly as if run alone.
   StepResult forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
-                              bool backward);
+                              bool backward, std::span<const int64_t> cu_seqlens = {});
   void zero_grad();
 
  private:

@@ -16,30 +16,48 @@ namespace act = kda::ops::detail;
 
 namespace {
 
-// Rotates pairs (i, i + dh/2) of every head row by angle t * base^(-2i/dh) (GPT-NeoX layout);
-// direction -1 applies the inverse rotation (the backward of a rotation is its transpose).
-void rotary(float* x, int64_t B, int64_t T, int64_t H, int64_t dh, int direction) {
+// Rotates pairs (i, i + dh/2) of every head row of token r by angle positions[r] *
+// base^(-2i/dh) (GPT-NeoX layout); direction -1 applies the inverse rotation (the backward of a
+// rotation is its transpose).
+void rotary(float* x, const std::vector<int64_t>& positions, int64_t H, int64_t dh, int direction) {
   const int64_t half = dh / 2;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t i = 0; i < half; ++i) {
-        const double angle = double(t) * std::pow(10000.0, -2.0 * double(i) / double(dh));
-        const float c = float(std::cos(angle)), s = float(direction) * float(std::sin(angle));
-        for (int64_t h = 0; h < H; ++h) {
-          float* row = x + ((b * T + t) * H + h) * dh;
-          const float x0 = row[i], x1 = row[i + half];
-          row[i] = x0 * c - x1 * s;
-          row[i + half] = x0 * s + x1 * c;
-        }
+  for (int64_t r = 0; r < int64_t(positions.size()); ++r)
+    for (int64_t i = 0; i < half; ++i) {
+      const double angle = double(positions[r]) * std::pow(10000.0, -2.0 * double(i) / double(dh));
+      const float c = float(std::cos(angle)), s = float(direction) * float(std::sin(angle));
+      for (int64_t h = 0; h < H; ++h) {
+        float* row = x + (r * H + h) * dh;
+        const float x0 = row[i], x1 = row[i + half];
+        row[i] = x0 * c - x1 * s;
+        row[i + half] = x0 * s + x1 * c;
       }
+    }
+}
+
+// Position of every token within its sequence: rows of T tokens, or packed by cu_seqlens.
+std::vector<int64_t> token_positions(int64_t B, int64_t T, const std::vector<int64_t>& cu_seqlens) {
+  std::vector<int64_t> positions(B * T);
+  if (cu_seqlens.empty()) {
+    for (int64_t r = 0; r < B * T; ++r) positions[r] = r % T;
+  } else {
+    for (size_t n = 0; n + 1 < cu_seqlens.size(); ++n)
+      for (int64_t r = cu_seqlens[n]; r < cu_seqlens[n + 1]; ++r) positions[r] = r - cu_seqlens[n];
+  }
+  return positions;
 }
 
 }  // namespace
 
-void MixerLayer::forward(const float* x, int64_t B, int64_t T, float* y) {
+void MixerLayer::forward(const float* x, int64_t B, int64_t T, float* y,
+                         std::span<const int64_t> cu_seqlens) {
   B_ = B;
   T_ = T;
+  cu_seqlens_.assign(cu_seqlens.begin(), cu_seqlens.end());
   const int64_t rows = B * T, inner = H_ * dh_;
+  // the ops see a packed batch as one row of B * T tokens delimited by cu_seqlens
+  const bool packed = !cu_seqlens_.empty();
+  const int64_t OB = packed ? 1 : B, OT = packed ? rows : T;
+  const std::span<const int64_t> cu(cu_seqlens_);
   x_.assign(x, x + rows * d_);
   q_.resize(rows * inner);
   k_.resize(rows * inner);
@@ -60,17 +78,20 @@ void MixerLayer::forward(const float* x, int64_t B, int64_t T, float* y) {
   switch (kind_) {
     case MixerKind::softmax: {
       if (rope_) {
-        rotary(q_.data(), B, T, H_, dh_, 1);
-        rotary(k_.data(), B, T, H_, dh_, 1);
+        positions_ = token_positions(B, T, cu_seqlens_);
+        rotary(q_.data(), positions_, H_, dh_, 1);
+        rotary(k_.data(), positions_, H_, dh_, 1);
       }
       lse_.resize(rows * H_);
-      ops::attention_flash_forward({{B, T, H_, H_, dh_, dh_, 0}, q_.data(), k_.data(), v_.data()},
-                                   o_.data(), lse_.data());
+      ops::attention_flash_forward(
+          {{OB, OT, H_, H_, dh_, dh_, 0}, q_.data(), k_.data(), v_.data(), cu}, o_.data(),
+          lse_.data());
       break;
     }
     case MixerKind::linear: {
       ops::linear_attn_chunk_forward(
-          {{B, T, H_, dh_, dh_, 0, true}, q_.data(), k_.data(), v_.data()}, {o_.data()});
+          {{OB, OT, H_, dh_, dh_, 0, true}, q_.data(), k_.data(), v_.data(), nullptr, nullptr, cu},
+          {o_.data()});
       break;
     }
     case MixerKind::delta:
@@ -91,17 +112,19 @@ void MixerLayer::forward(const float* x, int64_t B, int64_t T, float* y) {
         }
       }
       const ops::Gate gate = gated ? ops::Gate::scalar : ops::Gate::none;
-      ops::delta_rule_chunk_forward({{B, T, H_, H_, dh_, dh_, gate, 0},
+      ops::delta_rule_chunk_forward({{OB, OT, H_, H_, dh_, dh_, gate, 0},
                                      qn_.data(),
                                      kn_.data(),
                                      v_.data(),
                                      gated ? g_.data() : nullptr,
-                                     beta_.data()},
+                                     beta_.data(),
+                                     nullptr,
+                                     cu},
                                     o_.data(), nullptr);
       break;
     }
     case MixerKind::kda: {
-      ops::kda_chunk_forward({{B, T, H_, H_, dh_, dh_, ops::Gate::channel, 0},
+      ops::kda_chunk_forward({{OB, OT, H_, H_, dh_, dh_, ops::Gate::channel, 0},
                               {},
                               q_.data(),
                               k_.data(),
@@ -109,7 +132,9 @@ void MixerLayer::forward(const float* x, int64_t B, int64_t T, float* y) {
                               graw_.data(),
                               braw_.data(),
                               w_.A_log->value.f32(),
-                              w_.dt_bias->value.f32()},
+                              w_.dt_bias->value.f32(),
+                              nullptr,
+                              cu},
                              o_.data(), nullptr);
       break;
     }
@@ -119,25 +144,28 @@ void MixerLayer::forward(const float* x, int64_t B, int64_t T, float* y) {
 
 void MixerLayer::backward(const float* dy, float* dx) {
   const int64_t B = B_, T = T_, rows = B * T, inner = H_ * dh_;
+  const bool packed = !cu_seqlens_.empty();
+  const int64_t OB = packed ? 1 : B, OT = packed ? rows : T;
+  const std::span<const int64_t> cu(cu_seqlens_);
   std::vector<float> d_o(rows * inner), dq(rows * inner), dk(rows * inner), dv(rows * inner);
   linear_backward(o_.data(), dy, rows, inner, w_.Wo->value.f32(), d_, d_o.data(),
                   w_.Wo->grad.f32());
   std::vector<float> dbraw, dgraw;
   switch (kind_) {
     case MixerKind::softmax: {
-      ops::attention_flash_backward({{B, T, H_, H_, dh_, dh_, 0}, q_.data(), k_.data(), v_.data()},
-                                    o_.data(), lse_.data(), d_o.data(),
-                                    {dq.data(), dk.data(), dv.data()});
+      ops::attention_flash_backward(
+          {{OB, OT, H_, H_, dh_, dh_, 0}, q_.data(), k_.data(), v_.data(), cu}, o_.data(),
+          lse_.data(), d_o.data(), {dq.data(), dk.data(), dv.data()});
       if (rope_) {  // q_, k_ hold the rotated values; the gradient rotates back
-        rotary(dq.data(), B, T, H_, dh_, -1);
-        rotary(dk.data(), B, T, H_, dh_, -1);
+        rotary(dq.data(), positions_, H_, dh_, -1);
+        rotary(dk.data(), positions_, H_, dh_, -1);
       }
       break;
     }
     case MixerKind::linear: {
       ops::linear_attn_chunk_backward(
-          {{B, T, H_, dh_, dh_, 0, true}, q_.data(), k_.data(), v_.data()}, d_o.data(), nullptr,
-          nullptr, {dq.data(), dk.data(), dv.data()});
+          {{OB, OT, H_, dh_, dh_, 0, true}, q_.data(), k_.data(), v_.data(), nullptr, nullptr, cu},
+          d_o.data(), nullptr, nullptr, {dq.data(), dk.data(), dv.data()});
       break;
     }
     case MixerKind::delta:
@@ -147,12 +175,14 @@ void MixerLayer::backward(const float* dy, float* dx) {
       std::vector<float> dqn(rows * inner), dkn(rows * inner), dbeta(rows * H_), dg;
       if (gated) dg.resize(rows * H_);
       ops::delta_rule_chunk_backward(
-          {{B, T, H_, H_, dh_, dh_, gate, 0},
+          {{OB, OT, H_, H_, dh_, dh_, gate, 0},
            qn_.data(),
            kn_.data(),
            v_.data(),
            gated ? g_.data() : nullptr,
-           beta_.data()},
+           beta_.data(),
+           nullptr,
+           cu},
           d_o.data(), nullptr,
           {dqn.data(), dkn.data(), dv.data(), gated ? dg.data() : nullptr, dbeta.data(), nullptr});
       act::l2norm_rows_backward(q_.data(), dqn.data(), rows * H_, dh_, dq.data());
@@ -179,7 +209,7 @@ void MixerLayer::backward(const float* dy, float* dx) {
       dbraw.resize(rows * H_);
       dgraw.resize(rows * inner);
       std::vector<float> dA(H_), ddt(inner);
-      ops::kda_chunk_backward({{B, T, H_, H_, dh_, dh_, ops::Gate::channel, 0},
+      ops::kda_chunk_backward({{OB, OT, H_, H_, dh_, dh_, ops::Gate::channel, 0},
                                {},
                                q_.data(),
                                k_.data(),
@@ -187,7 +217,9 @@ void MixerLayer::backward(const float* dy, float* dx) {
                                graw_.data(),
                                braw_.data(),
                                w_.A_log->value.f32(),
-                               w_.dt_bias->value.f32()},
+                               w_.dt_bias->value.f32(),
+                               nullptr,
+                               cu},
                               d_o.data(), nullptr,
                               {dq.data(), dk.data(), dv.data(), dgraw.data(), dbraw.data(),
                                dA.data(), ddt.data(), nullptr});

@@ -1,6 +1,7 @@
 // One token-mixer sub-layer of a lineage model: projections in, the mixer op, projection out.
 #pragma once
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "train/lineage_model.h"
@@ -21,8 +22,12 @@ class MixerLayer {
   MixerLayer(MixerKind kind, int64_t width, int64_t heads, int64_t head_dim, MixerWeights w,
              bool rope = false)
       : kind_(kind), d_(width), H_(heads), dh_(head_dim), rope_(rope), w_(w) {}
-  // x [B * T, d] -> y [B * T, d]; keeps activations for backward.
-  void forward(const float* x, int64_t B, int64_t T, float* y);
+  // x [B * T, d] -> y [B * T, d]; keeps activations for backward. With cu_seqlens (offsets
+  // into the B * T flattened tokens, starting at 0 and ending at B * T), the tokens are one
+  // packed batch: recurrent state starts from zero, attention does not look back, and RoPE
+  // positions restart at 0 at every listed offset. Empty: B independent rows of T tokens.
+  void forward(const float* x, int64_t B, int64_t T, float* y,
+               std::span<const int64_t> cu_seqlens = {});
   // dy -> dx (overwritten); parameter gradients accumulated.
   void backward(const float* dy, float* dx);
 
@@ -31,6 +36,7 @@ class MixerLayer {
   int64_t d_, H_, dh_, B_ = 0, T_ = 0;
   bool rope_ = false;
   MixerWeights w_;
+  std::vector<int64_t> cu_seqlens_, positions_;  // packed layout (empty: B rows) and RoPE
   std::vector<float> x_, q_, k_, v_, braw_, graw_, o_, lse_;
   // delta / gated delta: activated inputs
   std::vector<float> qn_, kn_, beta_, g_;

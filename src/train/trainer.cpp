@@ -19,32 +19,41 @@ using json = nlohmann::json;
 namespace {
 
 json settings_to_json(const TrainSettings& s) {
-  return {{"model_type", "kda_lineage"},
-          {"vocab_size", s.model.vocab},
-          {"hidden_size", s.model.width},
-          {"num_heads", s.model.heads},
-          {"head_dim", s.model.head_dim},
-          {"intermediate_size", s.model.mlp_hidden},
-          {"layer_pattern", s.model.pattern},
-          {"rms_norm_eps", s.model.norm_eps},
-          {"training",
-           {{"task", task_name(s.task.task)},
-            {"task_vocab", s.task.vocab},
-            {"seq_len", s.task.seq_len},
-            {"num_kv", s.task.num_kv},
-            {"steps", s.steps},
-            {"batch", s.batch},
-            {"grad_accum", s.grad_accum},
-            {"save_every", s.save_every},
-            {"eval_examples", s.eval_examples},
-            {"seed", s.seed},
-            {"lr", s.optimizer.lr},
-            {"warmup_steps", s.optimizer.warmup_steps},
-            {"weight_decay", s.optimizer.weight_decay},
-            {"clip_norm", s.optimizer.clip_norm},
-            {"beta1", s.optimizer.beta1},
-            {"beta2", s.optimizer.beta2},
-            {"min_lr_ratio", s.optimizer.min_lr_ratio}}}};
+  json j = {{"model_type", "kda_lineage"},
+            {"vocab_size", s.model.vocab},
+            {"hidden_size", s.model.width},
+            {"num_heads", s.model.heads},
+            {"head_dim", s.model.head_dim},
+            {"intermediate_size", s.model.mlp_hidden},
+            {"layer_pattern", s.model.pattern},
+            {"rms_norm_eps", s.model.norm_eps},
+            {"training",
+             {{"task", s.is_text() ? std::string("text") : task_name(s.task.task)},
+              {"task_vocab", s.task.vocab},
+              {"seq_len", s.task.seq_len},
+              {"num_kv", s.task.num_kv},
+              {"steps", s.steps},
+              {"batch", s.batch},
+              {"grad_accum", s.grad_accum},
+              {"save_every", s.save_every},
+              {"eval_examples", s.eval_examples},
+              {"eval_every", s.eval_every},
+              {"seed", s.seed},
+              {"lr", s.optimizer.lr},
+              {"warmup_steps", s.optimizer.warmup_steps},
+              {"weight_decay", s.optimizer.weight_decay},
+              {"clip_norm", s.optimizer.clip_norm},
+              {"beta1", s.optimizer.beta1},
+              {"beta2", s.optimizer.beta2},
+              {"min_lr_ratio", s.optimizer.min_lr_ratio}}}};
+  if (s.is_text()) {
+    j["training"]["text"] = {{"path", s.text.path},
+                             {"tokenizer", s.text.tokenizer},
+                             {"split_paragraphs", s.text.split_paragraphs},
+                             {"val_every", s.text.val_every},
+                             {"fingerprint", s.text.fingerprint}};
+  }
+  return j;
 }
 
 TrainSettings settings_from_json(const json& j, const std::string& where) {
@@ -55,12 +64,20 @@ TrainSettings settings_from_json(const json& j, const std::string& where) {
                j.at("head_dim"),    j.at("intermediate_size"), j.at("layer_pattern"),
                j.at("rms_norm_eps")};
     const json& t = j.at("training");
-    s.task = {parse_task(t.at("task")), t.at("task_vocab"), t.at("seq_len"), t.at("num_kv")};
+    if (t.at("task") == "text") {
+      const json& x = t.at("text");
+      s.task = {Task::mqar, t.at("task_vocab"), t.at("seq_len"), t.at("num_kv")};
+      s.text = {x.at("path"), x.at("tokenizer"), x.at("split_paragraphs"), x.at("val_every"),
+                x.at("fingerprint")};
+    } else {
+      s.task = {parse_task(t.at("task")), t.at("task_vocab"), t.at("seq_len"), t.at("num_kv")};
+    }
     s.steps = t.at("steps");
     s.batch = t.at("batch");
     s.grad_accum = t.at("grad_accum");
     s.save_every = t.at("save_every");
     s.eval_examples = t.at("eval_examples");
+    s.eval_every = t.value("eval_every", int64_t(0));  // absent in older checkpoints
     s.seed = t.at("seed");
     s.optimizer.lr = t.at("lr");
     s.optimizer.warmup_steps = t.at("warmup_steps");
@@ -93,6 +110,12 @@ Trainer::Trainer(const TrainSettings& settings, const std::string& out_dir)
   settings_.optimizer.total_steps = settings_.steps;
   require(settings_.steps >= 1 && settings_.batch >= 1 && settings_.grad_accum >= 1,
           "train: steps, batch and grad_accum must be >= 1");
+  require(settings_.eval_every >= 0 && settings_.eval_examples >= 0,
+          "train: eval_every and eval_examples must be >= 0");
+  if (settings_.is_text()) {  // a resumed run may start from another folder
+    settings_.text.path = fs::absolute(settings_.text.path).lexically_normal().string();
+    settings_.text.tokenizer = fs::absolute(settings_.text.tokenizer).lexically_normal().string();
+  }
   require(!fs::exists(fs::path(out_dir) / "trainer_state.json"),
           out_dir + " already holds a run: use --resume, or another --out");
   fs::create_directories(out_dir);
@@ -103,14 +126,40 @@ Trainer::Trainer(const TrainSettings& settings, const std::string& out_dir)
 Trainer::~Trainer() = default;
 
 void Trainer::start() {
+  if (settings_.is_text()) {
+    const TextSettings& text = settings_.text;
+    corpus_ = std::make_unique<TextCorpus>(
+        load_text_corpus(text.path, text.tokenizer,
+                         {.split_paragraphs = text.split_paragraphs, .val_every = text.val_every}));
+    require(text.fingerprint == 0 || text.fingerprint == corpus_->fingerprint,
+            "train: " + text.path + " no longer tokenizes to the corpus this run started on");
+    settings_.text.fingerprint = corpus_->fingerprint;
+    require(text.val_every == 0 || corpus_->validation.num_tokens() > 0,
+            "train: " + text.path + " has too few documents for a validation split (every " +
+                std::to_string(text.val_every) + "th document; --val-every 0 turns it off)");
+    settings_.task.vocab = corpus_->vocab;
+    if (settings_.model.vocab == 0) settings_.model.vocab = corpus_->vocab;
+    const int32_t pad = std::max(0, corpus_->end_of_text);
+    train_rows_ = std::make_unique<PackedRows>(corpus_->train, settings_.task.seq_len, pad);
+    if (corpus_->validation.num_tokens() > 0)
+      val_rows_ = std::make_unique<PackedRows>(corpus_->validation, settings_.task.seq_len, pad);
+    text_stream_ = std::make_unique<TextStream>(*train_rows_, settings_.seed);
+  }
   settings_.model.validate();
   require(settings_.model.vocab >= settings_.task.vocab,
-          "train: the model's vocabulary is smaller than the task's");
+          settings_.is_text() ? "train: the model's vocabulary is smaller than the tokenizer's"
+                              : "train: the model's vocabulary is smaller than the task's");
   model_ = std::make_unique<LineageModel>(settings_.model, settings_.seed * 7919 + 1);
   optimizer_ = std::make_unique<AdamW>(model_->params(), settings_.optimizer);
-  test_ = make_test_set(settings_.task, settings_.seed, settings_.eval_examples);
-  stream_ = std::make_unique<TaskStream>(settings_.task, settings_.seed, 0);
-  stream_->forbid(test_.hashes);
+  if (!settings_.is_text()) {
+    test_ = make_test_set(settings_.task, settings_.seed, settings_.eval_examples);
+    stream_ = std::make_unique<TaskStream>(settings_.task, settings_.seed, 0);
+    stream_->forbid(test_.hashes);
+  }
+}
+
+uint64_t Trainer::data_position() const {
+  return text_stream_ ? text_stream_->position() : stream_->position();
 }
 
 std::unique_ptr<Trainer> Trainer::resume(const std::string& out_dir) {
@@ -122,7 +171,11 @@ std::unique_ptr<Trainer> Trainer::resume(const std::string& out_dir) {
   t->start();
   const json state = read_json((dir / "trainer_state.json").string());
   t->step_ = state.at("step").get<int64_t>();
-  t->stream_->seek(state.at("data_position").get<uint64_t>());
+  const uint64_t position = state.at("data_position").get<uint64_t>();
+  if (t->text_stream_)
+    t->text_stream_->seek(position);
+  else
+    t->stream_->seek(position);
   const SafetensorsFile weights = SafetensorsFile::open((dir / "model.safetensors").string());
   for (Param* p : t->model_->params()) {
     const Tensor w = weights.load(p->name);
@@ -157,7 +210,7 @@ void Trainer::save() const {
   for (const auto& [name, t] : moments) named.push_back({name, &t});
   write_safetensors((dir / "optimizer.safetensors").string(), named);
   // the state file goes last: a checkpoint is complete once it names this step
-  const json state = {{"step", step_}, {"data_position", stream_->position()}};
+  const json state = {{"step", step_}, {"data_position", data_position()}};
   write_file_atomic((dir / "trainer_state.json").string(), state.dump(2) + "\n");
 }
 
@@ -171,8 +224,16 @@ void Trainer::run(int64_t stop_after, const std::atomic<bool>* interrupt,
     model_->zero_grad();
     double loss = 0;
     for (int64_t micro = 0; micro < settings_.grad_accum; ++micro) {
-      const Batch b = stream_->next(settings_.batch);
-      loss += model_->forward_backward(b.inputs.data(), b.targets.data(), b.B, b.T, true).loss;
+      if (text_stream_) {
+        const TextBatch b = text_stream_->next(settings_.batch);
+        loss +=
+            model_
+                ->forward_backward(b.inputs.data(), b.targets.data(), b.B, b.T, true, b.cu_seqlens)
+                .loss;
+      } else {
+        const Batch b = stream_->next(settings_.batch);
+        loss += model_->forward_backward(b.inputs.data(), b.targets.data(), b.B, b.T, true).loss;
+      }
     }
     if (settings_.grad_accum > 1) {
       const float inv = 1.0f / float(settings_.grad_accum);
@@ -195,6 +256,13 @@ void Trainer::run(int64_t stop_after, const std::atomic<bool>* interrupt,
                 {"tokens_per_s", entry.tokens_per_s}}
                .dump()
         << "\n";
+    if (settings_.eval_every > 0 && step_ % settings_.eval_every == 0 &&
+        (!settings_.is_text() || val_rows_)) {
+      entry.evaluation = evaluate_held_out();
+      log_evaluation(log, *entry.evaluation);
+      logged_eval_step_ = step_;
+      logged_eval_ = *entry.evaluation;
+    }
     log.flush();
     if (on_step) on_step(entry);
     if (settings_.save_every > 0 && step_ % settings_.save_every == 0) save();
@@ -204,27 +272,76 @@ void Trainer::run(int64_t stop_after, const std::atomic<bool>* interrupt,
   write_loss_plot((fs::path(dir_) / "log.jsonl").string(), (fs::path(dir_) / "loss.svg").string());
 }
 
-double Trainer::evaluate() {
+Evaluation Trainer::evaluate_held_out() {
+  double loss_sum = 0;
   int64_t scored = 0, correct = 0;
-  const int64_t T = test_.batch.T, slice = 32;
-  for (int64_t i = 0; i < test_.batch.B; i += slice) {
-    const int64_t n = std::min(slice, test_.batch.B - i);
-    const auto r = model_->forward_backward(&test_.batch.inputs[i * T], &test_.batch.targets[i * T],
-                                            n, T, false);
+  auto add = [&](const LineageModel::StepResult& r) {
+    loss_sum += r.loss * double(r.scored);
     scored += r.scored;
     correct += r.correct;
+  };
+  if (settings_.is_text()) {
+    if (!val_rows_) return {};  // --val-every 0: nothing held out
+    const int64_t rows = settings_.eval_examples > 0
+                             ? std::min(settings_.eval_examples, val_rows_->num_rows())
+                             : val_rows_->num_rows();
+    const int64_t slice = 8;
+    for (int64_t i = 0; i < rows; i += slice) {
+      std::vector<int64_t> picked;
+      for (int64_t r = i; r < std::min(rows, i + slice); ++r) picked.push_back(r);
+      const TextBatch b = val_rows_->batch(picked);
+      add(model_->forward_backward(b.inputs.data(), b.targets.data(), b.B, b.T, false,
+                                   b.cu_seqlens));
+    }
+  } else {
+    const int64_t T = test_.batch.T, slice = 32;
+    for (int64_t i = 0; i < test_.batch.B; i += slice) {
+      const int64_t n = std::min(slice, test_.batch.B - i);
+      add(model_->forward_backward(&test_.batch.inputs[i * T], &test_.batch.targets[i * T], n, T,
+                                   false));
+    }
   }
-  return scored ? double(correct) / double(scored) : 0;
+  Evaluation e;
+  e.tokens = scored;
+  e.loss = scored ? loss_sum / double(scored) : 0;
+  e.accuracy = scored ? double(correct) / double(scored) : 0;
+  return e;
+}
+
+void Trainer::log_evaluation(std::ostream& log, const Evaluation& e) const {
+  log << json{{"step", step_},
+              {"val_loss", e.loss},
+              {"val_accuracy", e.accuracy},
+              {"val_tokens", e.tokens}}
+             .dump()
+      << "\n";
+}
+
+Evaluation Trainer::evaluate_and_log() {
+  if (logged_eval_step_ == step_) return logged_eval_;
+  const Evaluation e = evaluate_held_out();
+  if (e.tokens == 0) return e;  // nothing held out: nothing to log
+  logged_eval_step_ = step_;
+  logged_eval_ = e;
+  {
+    std::ofstream log(fs::path(dir_) / "log.jsonl", std::ios::app);
+    log_evaluation(log, e);
+  }
+  write_loss_plot((fs::path(dir_) / "log.jsonl").string(), (fs::path(dir_) / "loss.svg").string());
+  return e;
 }
 
 void write_loss_plot(const std::string& log_path, const std::string& svg_path) {
-  std::vector<std::pair<double, double>> points;
+  std::vector<std::pair<double, double>> points, val_points;
   std::ifstream in(log_path);
   std::string line;
   while (std::getline(in, line)) {
     if (line.empty()) continue;
     const json j = json::parse(line);
-    points.emplace_back(j.at("step").get<double>(), j.at("loss").get<double>());
+    if (j.contains("loss"))
+      points.emplace_back(j.at("step").get<double>(), j.at("loss").get<double>());
+    else if (j.contains("val_loss"))
+      val_points.emplace_back(j.at("step").get<double>(), j.at("val_loss").get<double>());
   }
   const int W = 640, H = 360, pad = 50;
   std::ostringstream s;
@@ -234,24 +351,28 @@ void write_loss_plot(const std::string& log_path, const std::string& svg_path) {
   s << "<rect x='" << pad << "' y='" << pad / 2 << "' width='" << W - 1.5 * pad << "' height='"
     << H - 1.5 * pad << "' fill='none' stroke='black'/>\n";
   if (!points.empty()) {
-    double lo = points[0].second, hi = lo;
-    for (const auto& p : points) {
-      lo = std::min(lo, p.second);
-      hi = std::max(hi, p.second);
-    }
+    double lo = points[0].second, hi = lo, x_max = 1;
+    for (const auto* set : {&points, &val_points})
+      for (const auto& p : *set) {
+        lo = std::min(lo, p.second);
+        hi = std::max(hi, p.second);
+        x_max = std::max(x_max, p.first);
+      }
     if (hi - lo < 1e-9) hi = lo + 1;
-    const double x_max = std::max(1.0, points.back().first);
     auto X = [&](double step) { return pad + (W - 1.5 * pad) * step / x_max; };
     auto Y = [&](double loss) { return pad / 2 + (H - 1.5 * pad) * (hi - loss) / (hi - lo); };
     s << "<polyline fill='none' stroke='#1f77b4' stroke-width='1.5' points='";
     for (const auto& p : points) s << X(p.first) << "," << Y(p.second) << " ";
     s << "'/>\n";
+    for (const auto& p : val_points)  // held-out evaluations
+      s << "<circle cx='" << X(p.first) << "' cy='" << Y(p.second) << "' r='3' fill='#ff7f0e'/>\n";
     s << "<text x='" << pad - 4 << "' y='" << Y(hi) + 4 << "' text-anchor='end'>" << hi
       << "</text>\n<text x='" << pad - 4 << "' y='" << Y(lo) + 4 << "' text-anchor='end'>" << lo
       << "</text>\n<text x='" << X(x_max) << "' y='" << H - pad / 2 + 14
       << "' text-anchor='end'>step " << x_max << "</text>\n";
   }
-  s << "<text x='" << W / 2 << "' y='" << H - 8 << "' text-anchor='middle'>training loss</text>\n";
+  s << "<text x='" << W / 2 << "' y='" << H - 8 << "' text-anchor='middle'>training loss"
+    << (val_points.empty() ? "" : " (dots: validation loss)") << "</text>\n";
   s << "</svg>\n";
   write_file_atomic(svg_path, s.str());
 }

@@ -1,39 +1,64 @@
-// Training runs of lineage-family models on synthetic tasks, with checkpoints in a folder:
+// Training runs of lineage-family models on synthetic tasks or on a text corpus
+// (train/text_data.h), with checkpoints in a folder:
 //   config.json            the model (model_type "kda_lineage") and the run's settings
 //   model.safetensors      the weights, by parameter name
 //   optimizer.safetensors  AdamW moments ("m.<name>", "v.<name>")
 //   trainer_state.json     step and data-stream position (what --resume needs)
-//   log.jsonl              one line per step: step, loss, lr, grad_norm, tokens_per_s
-//   loss.svg               the loss curve, written when the run ends
+//   log.jsonl              one line per step: step, loss, lr, grad_norm, tokens_per_s; and one
+//                          per evaluation: step, val_loss, val_accuracy, val_tokens
+//   loss.svg               the loss curve (and validation points), written when the run ends
 // Every file is written atomically; a resumed run continues bit for bit.
 #pragma once
 #include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "train/adamw.h"
 #include "train/lineage_model.h"
 #include "train/tasks.h"
+#include "train/text_data.h"
 
 namespace kda::train {
+
+// A text corpus instead of a synthetic task (path empty: the task). Sequence length is
+// TaskSpec::seq_len; the model's vocabulary (0: the tokenizer's) must cover the tokenizer's.
+struct TextSettings {
+  std::string path;       // file or folder of UTF-8 text (stored absolute)
+  std::string tokenizer;  // anything tokenizer::load_tokenizer accepts (stored absolute)
+  bool split_paragraphs = false;
+  int64_t val_every = 10;    // every k-th document is validation (0: none)
+  uint64_t fingerprint = 0;  // of the tokenized corpus; a resumed run must see the same one
+};
 
 struct TrainSettings {
   LineageConfig model;
   TaskSpec task;
+  TextSettings text;
   AdamWConfig optimizer;
   int64_t steps = 1000;
   int64_t batch = 32;
-  int64_t grad_accum = 1;  // micro-batches per optimizer step
-  int64_t save_every = 0;  // steps between checkpoints (0: at the end only)
-  int64_t eval_examples = 256;
+  int64_t grad_accum = 1;       // micro-batches per optimizer step
+  int64_t save_every = 0;       // steps between checkpoints (0: at the end only)
+  int64_t eval_examples = 256;  // test examples; for text: validation rows (0: all)
+  int64_t eval_every = 0;       // steps between evaluations during the run (0: none)
   uint64_t seed = 0;
+  bool is_text() const { return !text.path.empty(); }
+};
+
+// Held-out results: for text, cross-entropy and next-token accuracy over the validation rows;
+// for tasks, over the test set's scored answers.
+struct Evaluation {
+  double loss = 0, accuracy = 0;
+  int64_t tokens = 0;  // scored tokens
 };
 
 struct StepLog {
   int64_t step = 0;
   double loss = 0, lr = 0, grad_norm = 0, tokens_per_s = 0;
+  std::optional<Evaluation> evaluation;  // set on steps that evaluated (eval_every)
 };
 
 class Trainer {
@@ -49,21 +74,34 @@ class Trainer {
   void run(int64_t stop_after, const std::atomic<bool>* interrupt,
            const std::function<void(const StepLog&)>& on_step);
   // Test accuracy on the held-out set.
-  double evaluate();
+  double evaluate() { return evaluate_held_out().accuracy; }
+  Evaluation evaluate_held_out();
+  // Evaluates, appends the result to log.jsonl and redraws loss.svg (unless this step's
+  // evaluation is logged already: eval_every hit the last step).
+  Evaluation evaluate_and_log();
   void save() const;
   const TrainSettings& settings() const { return settings_; }
   int64_t step() const { return step_; }
   int64_t num_params() const { return model_->num_params(); }
+  const TextCorpus* corpus() const { return corpus_.get(); }  // text runs only
 
  private:
   Trainer() = default;
   void start();
+  uint64_t data_position() const;
+  void log_evaluation(std::ostream& log, const Evaluation& e) const;
   TrainSettings settings_;
   std::string dir_;
   std::unique_ptr<LineageModel> model_;
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<TaskStream> stream_;
   TestSet test_;
+  // text runs
+  std::unique_ptr<TextCorpus> corpus_;
+  std::unique_ptr<PackedRows> train_rows_, val_rows_;
+  std::unique_ptr<TextStream> text_stream_;
+  int64_t logged_eval_step_ = -1;  // the step whose evaluation log.jsonl holds last
+  Evaluation logged_eval_;
   int64_t step_ = 0;
 };
 
