@@ -15,11 +15,11 @@
 // h0 (z0) row.
 #pragma once
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <span>
 
+#include "core/fast_math.h"
 #include "core/tensor.h"
 #include "ops/common/sequences.h"
 
@@ -112,24 +112,10 @@ inline double linear_attn_feature_map(double x) {
   return x > 0 ? x + 1.0 : std::exp(x);
 }
 
-// fp32, branch-free so loops over it vectorise: exp of the clamped non-positive part through
-// Cephes' expf polynomial (within 2 ulp of exp for x >= -87; below, about 1e-38 stands in for 0).
+// fp32, branch-free so loops over it vectorise: exp of the non-positive part (the feature map
+// only needs exp on x <= 0; callers check finiteness).
 inline float linear_attn_exp_nonpositive(float x) {
-  // std::max/min, not fmax/fmin: they compile to single min/max instructions (fmin is a library
-  // call without -ffast-math); this operand order also maps NaN to -87 (callers check finiteness).
-  x = std::min(0.0f, std::max(-87.0f, x));
-  const float rounder = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float n = (x * 1.44269504088896341f + rounder) - rounder;
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float e = p * r * r + r + 1.0f;
-  const int32_t exponent_bits = (int32_t(n) + 127) << 23;  // 2^n, n in [-126, 0]
-  return e * std::bit_cast<float>(exponent_bits);
+  return fast_exp(std::min(0.0f, x));
 }
 
 inline float linear_attn_feature_map(float x) {
