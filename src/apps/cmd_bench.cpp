@@ -19,6 +19,7 @@ void print_usage() {
   std::puts(
       "usage: kda bench [--lengths 4096,16384] [--heads 4] [--dim 128] [--reps 3] [--out DIR]\n"
       "       kda bench recall [--quick] ...   (see kda bench recall --help)\n"
+      "       kda bench decode [--tiny] ...    (see kda bench decode --help)\n"
       "\n"
       "Measures the fp32 GEMM rate (the ceiling), then for KDA and Gated DeltaNet: chunked\n"
       "forward, chunked forward+backward and recurrent forward, in tokens/s and GFLOP/s.\n"
@@ -46,6 +47,8 @@ double measure_gemm_gflops(int n, int reps) {
 int cmd_bench(const Args& args) {
   if (!args.empty() && args[0] == "recall")
     return cmd_bench_recall(Args(args.begin() + 1, args.end()));
+  if (!args.empty() && args[0] == "decode")
+    return cmd_bench_decode(Args(args.begin() + 1, args.end()));
   std::vector<int64_t> lengths = {4096, 16384};
   int64_t heads = 4, dim = 128;
   int reps = 3;

@@ -135,10 +135,15 @@ void kda_forward(const KimiLinearConfig& c, const KdaWeights& w, const float* x,
   // Low-rank forget gate and output gate, read straight from the stacked projection.
   float* graw = grow(s.graw, T * HK);
   float* gate = grow(s.gate, T * HK);
-  gemm_nt(int(T), int(HK), int(K), 1.0f, proj + 3 * HK, int(width), w.f_b.f32(), int(K), 0.0f, graw,
-          int(HK));
-  gemm_nt(int(T), int(HK), int(K), 1.0f, proj + 3 * HK + K, int(width), w.g_b.f32(), int(K), 0.0f,
-          gate, int(HK));
+  if (T == 1) {  // decode: matrix-vector products (no GEMM packing, no thread team)
+    ops::linear(proj + 3 * HK, 1, K, w.f_b.f32(), HK, nullptr, graw);
+    ops::linear(proj + 3 * HK + K, 1, K, w.g_b.f32(), HK, nullptr, gate);
+  } else {
+    gemm_nt(int(T), int(HK), int(K), 1.0f, proj + 3 * HK, int(width), w.f_b.f32(), int(K), 0.0f,
+            graw, int(HK));
+    gemm_nt(int(T), int(HK), int(K), 1.0f, proj + 3 * HK + K, int(width), w.g_b.f32(), int(K), 0.0f,
+            gate, int(HK));
+  }
   float* braw = grow(s.braw, T * H);
   for (int64_t t = 0; t < T; ++t) std::copy_n(proj + t * width + 3 * HK + 2 * K, H, braw + t * H);
 

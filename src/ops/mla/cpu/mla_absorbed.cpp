@@ -18,6 +18,63 @@ float* grow(V& v, size_t n) {
   return v.data();
 }
 
+float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// y[n] += a * x[n]
+void axpy(float a, const float* x, int64_t n, float* y) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// One query token (decode), with plain loops on this thread: each cached row and each kv_b
+// row is read once, and no BLAS call opens a parallel region (a decode step is too small to
+// share, and on a loaded machine waiting for a thread team costs more than the work).
+void decode_one(const MlaShape& s, const float* q, const LatentPages& cache, const float* kv_b,
+                float* o, float* q_latent, float* scores, float* o_latent) {
+  const int64_t L = s.latent, W = s.row_width(), D = s.qk_dim(), kv_w = s.nope + s.v;
+  const int64_t length = cache.length, pt = cache.page_tokens;
+  // q_latent_h = [W_UK_h^T q_nope_h ; q_rope_h]
+  for (int64_t h = 0; h < s.H; ++h) {
+    float* ql = q_latent + h * W;
+    std::fill_n(ql, L, 0.0f);
+    const float* qh = q + h * D;
+    for (int64_t n = 0; n < s.nope; ++n) axpy(qh[n], kv_b + (h * kv_w + n) * L, L, ql);
+    std::copy_n(qh + s.nope, s.rope, ql + L);
+  }
+  // scores [H, length]: every head against each cached row while the row is in cache
+  const float scale = float(s.effective_scale());
+  for (int64_t j = 0; j < length; ++j) {
+    const float* row = cache.pages[j / pt] + (j % pt) * W;
+    for (int64_t h = 0; h < s.H; ++h)
+      scores[h * length + j] = scale * dot(q_latent + h * W, row, W);
+  }
+  for (int64_t h = 0; h < s.H; ++h) {
+    float* row = scores + h * length;
+    float mx = row[0];
+    for (int64_t j = 1; j < length; ++j) mx = std::max(mx, row[j]);
+    require(std::isfinite(mx), "mla_absorbed_forward: non-finite attention score");
+    double sum = 0;
+    for (int64_t j = 0; j < length; ++j) sum += (row[j] = std::exp(row[j] - mx));
+    const float inv = float(1.0 / sum);
+    for (int64_t j = 0; j < length; ++j) row[j] *= inv;
+  }
+  // o_latent_h = sum_j p_hj c_j, then o_h = W_UV_h o_latent_h
+  std::fill_n(o_latent, s.H * L, 0.0f);
+  for (int64_t j = 0; j < length; ++j) {
+    const float* row = cache.pages[j / pt] + (j % pt) * W;
+    for (int64_t h = 0; h < s.H; ++h) axpy(scores[h * length + j], row, L, o_latent + h * L);
+  }
+  for (int64_t h = 0; h < s.H; ++h) {
+    const float* w_uv = kv_b + (h * kv_w + s.nope) * L;
+    for (int64_t i = 0; i < s.v; ++i) o[h * s.v + i] = dot(w_uv + i * L, o_latent + h * L, L);
+  }
+}
+
 }  // namespace
 
 void mla_absorbed_forward(const MlaShape& s, const float* q, int64_t T, const LatentPages& cache,
@@ -34,6 +91,7 @@ void mla_absorbed_forward(const MlaShape& s, const float* q, int64_t T, const La
   float* q_latent = grow(ws.q_latent, size_t(rows * W));
   float* scores = grow(ws.scores, size_t(rows * length));
   float* o_latent = grow(ws.o_latent, size_t(rows * L));
+  if (T == 1) return decode_one(s, q, cache, kv_b, o, q_latent, scores, o_latent);
 
   // q_latent [T, H, W]: the nope part through W_UK_h ([nope, L] rows of kv_b), rope part as is.
   for (int64_t h = 0; h < s.H; ++h) {

@@ -1,0 +1,49 @@
+// kda bench decode end to end on a tiny synthetic Kimi Linear: it runs, prints the bandwidth
+// and the decode table, writes its files, and refuses bad flags.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <string>
+
+namespace {
+
+struct CommandResult {
+  int status;
+  std::string output;
+};
+
+CommandResult run(const std::string& args) {
+  const std::string command = std::string(KDA_BINARY) + " " + args + " 2>&1";
+  FILE* pipe = popen(command.c_str(), "r");
+  std::string output;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, pipe)) output.append(buf, n);
+  const int status = pclose(pipe);
+  return {WEXITSTATUS(status), output};
+}
+
+const std::filesystem::path kOut = std::filesystem::temp_directory_path() / "kda_bench_decode";
+
+TEST(BenchDecode, TinyConfigPrintsTheTable) {
+  const CommandResult r = run("bench decode --tiny --out " + kOut.string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  for (const char* needle : {"memory bandwidth", "read", "active per token",
+                             "bytes per decoded token", "decode ", "prefill ", "% of floor"}) {
+    EXPECT_NE(r.output.find(needle), std::string::npos) << needle << "\n" << r.output;
+  }
+  EXPECT_TRUE(std::filesystem::exists(kOut / "decode.md"));
+  EXPECT_TRUE(std::filesystem::exists(kOut / "decode.csv"));
+}
+
+TEST(BenchDecode, BadFlagsFailClearly) {
+  const CommandResult unknown = run("bench decode --tiny --no-such-flag 1");
+  EXPECT_EQ(unknown.status, 1);
+  EXPECT_NE(unknown.output.find("unknown option '--no-such-flag'"), std::string::npos)
+      << unknown.output;
+  const CommandResult top_k = run("bench decode --tiny --top-k 99");
+  EXPECT_EQ(top_k.status, 1);
+  EXPECT_NE(top_k.output.find("--top-k"), std::string::npos) << top_k.output;
+}
+
+}  // namespace
