@@ -40,7 +40,8 @@ void print_usage() {
       "Palindrome and Stack, best of a learning-rate sweep, and reports test accuracy.\n"
       "Full grid: heads of 128, vocab 8192, lengths 256-2048, lr {5e-4, 1e-3, 3e-3}.\n"
       "--quick: heads of 32, vocab 128, lengths 64 and 128, lr 3e-3, 300 steps: a smoke run\n"
-      "for two CPU cores (minutes, not a result: MQAR needs far more steps). Writes DIR/recall.md, recall.json (a list of\n"
+      "for two CPU cores (minutes, not a result: MQAR needs far more steps). Writes DIR/recall.md, "
+      "recall.json (a list of\n"
       "{mixer, task, seq_len, accuracy}) and recall.svg (default out/recall).");
 }
 
