@@ -79,15 +79,16 @@ int cmd_info(const Args& args) {
     first = end;
   }
 
-  std::printf("  memory per sequence\n");
-  std::printf("    fixed state   %lld layers x %s = %s\n", (long long)info.num_state_layers,
+  // exact byte counts beside the rounded ones: these are the numbers people compare
+  std::printf("  memory per sequence (recurrent state fp32, conv state and caches bf16)\n");
+  std::printf("    fixed state   %lld layers x %lld B (%s) = %lld B (%s)\n",
+              (long long)info.num_state_layers, (long long)info.state_bytes_per_layer,
               human_bytes(double(info.state_bytes_per_layer)).c_str(),
+              (long long)(info.num_state_layers * info.state_bytes_per_layer),
               human_bytes(double(info.num_state_layers * info.state_bytes_per_layer)).c_str());
-  std::printf(
-      "    cache         %lld layers x %s per token = %s per token\n",
-      (long long)info.num_cache_layers,
-      human_bytes(double(info.cache_bytes_per_token_per_layer)).c_str(),
-      human_bytes(double(info.num_cache_layers * info.cache_bytes_per_token_per_layer)).c_str());
+  std::printf("    cache         %lld layers x %lld B per token = %lld B per token\n",
+              (long long)info.num_cache_layers, (long long)info.cache_bytes_per_token_per_layer,
+              (long long)(info.num_cache_layers * info.cache_bytes_per_token_per_layer));
   const std::pair<const char*, int64_t> contexts[] = {
       {"4K", 4096}, {"128K", 131072}, {"1M", 1048576}};
   for (const auto& [label, tokens] : contexts) {
