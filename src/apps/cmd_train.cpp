@@ -1,5 +1,6 @@
-// kda train: trains a lineage-family model (any mixer per layer) on a synthetic task or a text
-// corpus, with checkpoints, bit-exact --resume, a progress line, a JSONL log and a loss plot.
+// kda train: trains a lineage-family model (any mixer per layer), or a Kimi Linear / GPT-2
+// architecture, on a synthetic task or a text corpus, with checkpoints, bit-exact --resume, a
+// progress line, a JSONL log and a loss plot.
 #include <unistd.h>
 
 #include <algorithm>
@@ -7,12 +8,16 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "apps/bench_util.h"
 #include "apps/commands.h"
 #include "core/error.h"
 #include "core/timer.h"
+#include "train/model_factory.h"
 #include "train/trainer.h"
 
 namespace kda::apps {
@@ -21,6 +26,16 @@ namespace {
 std::atomic<bool> g_interrupted{false};
 void on_sigint(int) {
   g_interrupted.store(true);
+}
+
+nlohmann::json read_json_file(const std::string& path) {
+  std::ifstream in(path);
+  require(bool(in), "train: cannot open " + path);
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(path + ": not valid JSON: " + e.what());
+  }
 }
 
 void print_usage() {
@@ -33,6 +48,7 @@ void print_usage() {
       "                 [--save-every N] [--seed S] [--stop-after N]\n"
       "                 [--text PATH --tokenizer TOK [--val-every 10] [--split-paragraphs]]\n"
       "                 [--eval-every N] [--eval-examples N]\n"
+      "       kda train --model CONFIG.json|MODEL_DIR --out DIR [the options above]\n"
       "       kda train --resume DIR [--stop-after N]\n"
       "\n"
       "Pattern letters, one per layer: A softmax attention, L linear attention, D DeltaNet,\n"
@@ -41,6 +57,12 @@ void print_usage() {
       "DIR holds config.json, model.safetensors, optimizer.safetensors, trainer_state.json,\n"
       "log.jsonl and loss.svg; Ctrl-C saves a checkpoint before exiting; --resume continues\n"
       "bit for bit. --stop-after N stops (and saves) after N more steps.\n"
+      "\n"
+      "--model trains a Hugging Face architecture instead of a lineage model: a kimi_linear or\n"
+      "gpt2 config.json (fresh weights), or a model folder (its weights are the start). DIR is\n"
+      "then a model folder itself (config.json with the public tensor names in\n"
+      "model.safetensors): `kda run -m DIR` and transformers load it. MoE layers balance their\n"
+      "experts without an auxiliary loss (the selection bias follows the load).\n"
       "\n"
       "--text PATH trains a language model on a UTF-8 file or folder (each file a document, or\n"
       "each blank-line-separated paragraph with --split-paragraphs), tokenized by TOK (a model\n"
@@ -59,7 +81,7 @@ int cmd_train(const Args& args) {
   std::string out_dir, resume_dir;
   int64_t stop_after = 0;
   bool vocab_set = false, warmup_set = false;
-  std::string text_path, tokenizer_path;
+  std::string text_path, tokenizer_path, model_path;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
@@ -84,6 +106,8 @@ int cmd_train(const Args& args) {
       out_dir = v;
     else if (a == "--resume")
       resume_dir = v;
+    else if (a == "--model")
+      model_path = v;
     else if (a == "--pattern")
       s.model.pattern = v;
     else if (a == "--width")
@@ -141,6 +165,16 @@ int cmd_train(const Args& args) {
     s.text.tokenizer = tokenizer_path;
     if (!vocab_set) s.model.vocab = 0;  // the tokenizer's
   }
+  if (!model_path.empty()) {
+    namespace fs = std::filesystem;
+    if (fs::is_directory(model_path)) {
+      s.init_from = fs::absolute(model_path).lexically_normal().string();
+      s.architecture = read_json_file((fs::path(model_path) / "config.json").string());
+    } else {
+      s.architecture = read_json_file(model_path);
+    }
+    s.architecture.erase("training");  // a checkpoint of ours as the start
+  }
   if (!warmup_set)
     s.optimizer.warmup_steps = std::max<int64_t>(1, std::min<int64_t>(100, s.steps / 10));
   require(out_dir.empty() != resume_dir.empty(), "train: give exactly one of --out and --resume");
@@ -155,12 +189,13 @@ int cmd_train(const Args& args) {
            " documents, " + std::to_string(c->train.num_tokens()) + " tokens; validation " +
            std::to_string(c->validation.num_documents()) + " documents, " +
            std::to_string(c->validation.num_tokens()) + " tokens; vocab " +
-           std::to_string(run.model.vocab) + ")";
+           std::to_string(train::config_vocab(trainer->architecture())) + ")";
   }
-  std::fprintf(stderr, "kda train: pattern %s, %lld parameters, %s, T = %lld, %s step %lld/%lld\n",
-               run.model.pattern.c_str(), (long long)trainer->num_params(), data.c_str(),
-               (long long)run.task.seq_len, resume_dir.empty() ? "from" : "resuming at",
-               (long long)trainer->step(), (long long)run.steps);
+  std::fprintf(stderr, "kda train: %s, %lld parameters, %s, T = %lld, %s step %lld/%lld\n",
+               train::describe_architecture(trainer->architecture()).c_str(),
+               (long long)trainer->num_params(), data.c_str(), (long long)run.task.seq_len,
+               resume_dir.empty() ? "from" : "resuming at", (long long)trainer->step(),
+               (long long)run.steps);
   std::signal(SIGINT, on_sigint);
   const bool tty = isatty(STDERR_FILENO);
   Stopwatch clock;

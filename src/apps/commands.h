@@ -16,5 +16,6 @@ int cmd_train(const Args& args);
 int cmd_info(const Args& args);
 int cmd_run(const Args& args);
 int cmd_tokenize(const Args& args);
+int cmd_export(const Args& args);
 
 }  // namespace kda::apps

@@ -141,15 +141,9 @@ int64_t LineageModel::num_params() const {
   return n;
 }
 
-void LineageModel::zero_grad() {
-  for (auto& p : params_)
-    for (float& g : p->grad.span_f32()) g = 0.0f;
-}
-
-LineageModel::StepResult LineageModel::forward_backward(const int32_t* inputs,
-                                                        const int32_t* targets, int64_t B,
-                                                        int64_t T, bool backward,
-                                                        std::span<const int64_t> cu_seqlens) {
+StepResult LineageModel::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B,
+                                          int64_t T, bool backward,
+                                          std::span<const int64_t> cu_seqlens) {
   const int64_t d = config_.width, rows = B * T, V = config_.vocab, F = config_.mlp_hidden;
   require(B >= 1 && T >= 1, "lineage model: B and T must be >= 1");
   if (!cu_seqlens.empty()) {

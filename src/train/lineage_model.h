@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "train/trainable_model.h"
 
 namespace kda::train {
 
@@ -30,35 +31,20 @@ struct LineageConfig {
   void validate() const;
 };
 
-struct Param {
-  std::string name;
-  Tensor value, grad;
-  bool decay = true;  // weight decay applies (matrices only)
-};
-
 class MixerLayer;
 
-class LineageModel {
+class LineageModel final : public TrainableModel {
  public:
   LineageModel(const LineageConfig& config, uint64_t seed);
   ~LineageModel();
 
   const LineageConfig& config() const { return config_; }
-  std::vector<Param*> params();
+  std::vector<Param*> params() override;
   int64_t num_params() const;
 
-  struct StepResult {
-    double loss = 0;
-    int64_t scored = 0, correct = 0;
-  };
-  // inputs, targets [B, T] (target -1: not scored). With backward, gradients are accumulated
-  // into Param::grad (zero them with zero_grad). cu_seqlens (optional) marks document starts
-  // in the B * T flattened tokens: it starts at 0, ends at B * T, increases strictly and holds
-  // every row start r * T. Each document then runs as its own sequence (recurrent state from
-  // zero, attention within the document, RoPE positions from 0), exactly as if run alone.
+  // See TrainableModel::forward_backward.
   StepResult forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
-                              bool backward, std::span<const int64_t> cu_seqlens = {});
-  void zero_grad();
+                              bool backward, std::span<const int64_t> cu_seqlens = {}) override;
 
  private:
   struct Block;

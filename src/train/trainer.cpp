@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/safetensors.h"
 #include "core/timer.h"
+#include "train/model_factory.h"
 
 namespace kda::train {
 
@@ -19,33 +20,26 @@ using json = nlohmann::json;
 namespace {
 
 json settings_to_json(const TrainSettings& s) {
-  json j = {{"model_type", "kda_lineage"},
-            {"vocab_size", s.model.vocab},
-            {"hidden_size", s.model.width},
-            {"num_heads", s.model.heads},
-            {"head_dim", s.model.head_dim},
-            {"intermediate_size", s.model.mlp_hidden},
-            {"layer_pattern", s.model.pattern},
-            {"rms_norm_eps", s.model.norm_eps},
-            {"training",
-             {{"task", s.is_text() ? std::string("text") : task_name(s.task.task)},
-              {"task_vocab", s.task.vocab},
-              {"seq_len", s.task.seq_len},
-              {"num_kv", s.task.num_kv},
-              {"steps", s.steps},
-              {"batch", s.batch},
-              {"grad_accum", s.grad_accum},
-              {"save_every", s.save_every},
-              {"eval_examples", s.eval_examples},
-              {"eval_every", s.eval_every},
-              {"seed", s.seed},
-              {"lr", s.optimizer.lr},
-              {"warmup_steps", s.optimizer.warmup_steps},
-              {"weight_decay", s.optimizer.weight_decay},
-              {"clip_norm", s.optimizer.clip_norm},
-              {"beta1", s.optimizer.beta1},
-              {"beta2", s.optimizer.beta2},
-              {"min_lr_ratio", s.optimizer.min_lr_ratio}}}};
+  json j = s.architecture.is_null() ? lineage_config_json(s.model) : s.architecture;
+  j["training"] = {{"task", s.is_text() ? std::string("text") : task_name(s.task.task)},
+                   {"task_vocab", s.task.vocab},
+                   {"seq_len", s.task.seq_len},
+                   {"num_kv", s.task.num_kv},
+                   {"steps", s.steps},
+                   {"batch", s.batch},
+                   {"grad_accum", s.grad_accum},
+                   {"save_every", s.save_every},
+                   {"eval_examples", s.eval_examples},
+                   {"eval_every", s.eval_every},
+                   {"seed", s.seed},
+                   {"lr", s.optimizer.lr},
+                   {"warmup_steps", s.optimizer.warmup_steps},
+                   {"weight_decay", s.optimizer.weight_decay},
+                   {"clip_norm", s.optimizer.clip_norm},
+                   {"beta1", s.optimizer.beta1},
+                   {"beta2", s.optimizer.beta2},
+                   {"min_lr_ratio", s.optimizer.min_lr_ratio}};
+  if (!s.init_from.empty()) j["training"]["init_from"] = s.init_from;
   if (s.is_text()) {
     j["training"]["text"] = {{"path", s.text.path},
                              {"tokenizer", s.text.tokenizer},
@@ -59,11 +53,14 @@ json settings_to_json(const TrainSettings& s) {
 TrainSettings settings_from_json(const json& j, const std::string& where) {
   try {
     TrainSettings s;
-    require(j.at("model_type") == "kda_lineage", where + ": model_type is not kda_lineage");
-    s.model = {j.at("vocab_size"),  j.at("hidden_size"),       j.at("num_heads"),
-               j.at("head_dim"),    j.at("intermediate_size"), j.at("layer_pattern"),
-               j.at("rms_norm_eps")};
+    if (j.at("model_type") == "kda_lineage") {
+      s.model = lineage_config_from_json(j);
+    } else {
+      s.architecture = j;
+      s.architecture.erase("training");
+    }
     const json& t = j.at("training");
+    s.init_from = t.value("init_from", std::string());
     if (t.at("task") == "text") {
       const json& x = t.at("text");
       s.task = {Task::mqar, t.at("task_vocab"), t.at("seq_len"), t.at("num_kv")};
@@ -90,6 +87,20 @@ TrainSettings settings_from_json(const json& j, const std::string& where) {
     return s;
   } catch (const json::exception& e) {
     throw Error(where + ": " + e.what());
+  }
+}
+
+// The tokenizer beside the weights, so `kda run -m DIR` finds it (a folder's tokenizer files,
+// or a tiktoken.model; a bare NAME.tiktoken has no place in a model folder and stays out).
+void copy_tokenizer_files(const std::string& tokenizer, const std::string& dir) {
+  const fs::path from(tokenizer);
+  if (fs::is_directory(from)) {
+    for (const char* file : {"tiktoken.model", "vocab.json", "merges.txt", "encoder.json",
+                             "vocab.bpe", "tokenizer_config.json"})
+      if (fs::exists(from / file))
+        fs::copy_file(from / file, fs::path(dir) / file, fs::copy_options::overwrite_existing);
+  } else if (from.filename() == "tiktoken.model") {
+    fs::copy_file(from, fs::path(dir) / "tiktoken.model", fs::copy_options::overwrite_existing);
   }
 }
 
@@ -121,11 +132,12 @@ Trainer::Trainer(const TrainSettings& settings, const std::string& out_dir)
   fs::create_directories(out_dir);
   start();
   std::ofstream(fs::path(dir_) / "log.jsonl", std::ios::trunc);
+  if (settings_.is_text()) copy_tokenizer_files(settings_.text.tokenizer, out_dir);
 }
 
 Trainer::~Trainer() = default;
 
-void Trainer::start() {
+void Trainer::start(bool resuming) {
   if (settings_.is_text()) {
     const TextSettings& text = settings_.text;
     corpus_ = std::make_unique<TextCorpus>(
@@ -139,23 +151,36 @@ void Trainer::start() {
                 std::to_string(text.val_every) + "th document; --val-every 0 turns it off)");
     settings_.task.vocab = corpus_->vocab;
     if (settings_.model.vocab == 0) settings_.model.vocab = corpus_->vocab;
+    if (!settings_.architecture.is_null()) settings_.model.vocab = 0;  // unused
     const int32_t pad = std::max(0, corpus_->end_of_text);
     train_rows_ = std::make_unique<PackedRows>(corpus_->train, settings_.task.seq_len, pad);
     if (corpus_->validation.num_tokens() > 0)
       val_rows_ = std::make_unique<PackedRows>(corpus_->validation, settings_.task.seq_len, pad);
     text_stream_ = std::make_unique<TextStream>(*train_rows_, settings_.seed);
   }
-  settings_.model.validate();
-  require(settings_.model.vocab >= settings_.task.vocab,
+  const json arch = architecture();
+  require(config_vocab(arch) >= settings_.task.vocab,
           settings_.is_text() ? "train: the model's vocabulary is smaller than the tokenizer's"
                               : "train: the model's vocabulary is smaller than the task's");
-  model_ = std::make_unique<LineageModel>(settings_.model, settings_.seed * 7919 + 1);
+  const uint64_t init_seed = settings_.seed * 7919 + 1;
+  if (settings_.init_from.empty() || resuming) {  // a resumed run loads its checkpoint
+    model_ = new_trainable(arch, init_seed);
+  } else {
+    model_ = load_trainable(settings_.init_from);
+    require(model_->params().size() == new_trainable(arch, init_seed)->params().size(),
+            "train: " + settings_.init_from + " does not hold the configured architecture");
+  }
   optimizer_ = std::make_unique<AdamW>(model_->params(), settings_.optimizer);
   if (!settings_.is_text()) {
     test_ = make_test_set(settings_.task, settings_.seed, settings_.eval_examples);
     stream_ = std::make_unique<TaskStream>(settings_.task, settings_.seed, 0);
     stream_->forbid(test_.hashes);
   }
+}
+
+json Trainer::architecture() const {
+  return settings_.architecture.is_null() ? lineage_config_json(settings_.model)
+                                          : settings_.architecture;
 }
 
 uint64_t Trainer::data_position() const {
@@ -168,7 +193,7 @@ std::unique_ptr<Trainer> Trainer::resume(const std::string& out_dir) {
   t->dir_ = out_dir;
   t->settings_ =
       settings_from_json(read_json((dir / "config.json").string()), (dir / "config.json").string());
-  t->start();
+  t->start(true);
   const json state = read_json((dir / "trainer_state.json").string());
   t->step_ = state.at("step").get<int64_t>();
   const uint64_t position = state.at("data_position").get<uint64_t>();
@@ -245,6 +270,7 @@ void Trainer::run(int64_t stop_after, const std::atomic<bool>* interrupt,
     entry.step = step_ + 1;
     entry.lr = optimizer_->lr_at(step_);
     entry.grad_norm = optimizer_->step();
+    model_->after_optimizer_step();
     entry.loss = loss;
     entry.tokens_per_s =
         double(settings_.batch * settings_.grad_accum * settings_.task.seq_len) / clock.seconds();
@@ -275,7 +301,7 @@ void Trainer::run(int64_t stop_after, const std::atomic<bool>* interrupt,
 Evaluation Trainer::evaluate_held_out() {
   double loss_sum = 0;
   int64_t scored = 0, correct = 0;
-  auto add = [&](const LineageModel::StepResult& r) {
+  auto add = [&](const StepResult& r) {
     loss_sum += r.loss * double(r.scored);
     scored += r.scored;
     correct += r.correct;

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 
@@ -20,6 +21,7 @@
 #include "train/lineage_model.h"
 #include "train/tasks.h"
 #include "train/text_data.h"
+#include "train/trainable_model.h"
 
 namespace kda::train {
 
@@ -34,7 +36,12 @@ struct TextSettings {
 };
 
 struct TrainSettings {
-  LineageConfig model;
+  LineageConfig model;  // the lineage model, when `architecture` is null
+  // A Hugging Face config (model_type kimi_linear or gpt2) to train instead; config.json of
+  // the checkpoint is this config plus a "training" object, so transformers and `kda run`
+  // load the folder as it is.
+  nlohmann::json architecture;
+  std::string init_from;  // a model folder whose weights start a new run (empty: fresh init)
   TaskSpec task;
   TextSettings text;
   AdamWConfig optimizer;
@@ -83,16 +90,18 @@ class Trainer {
   const TrainSettings& settings() const { return settings_; }
   int64_t step() const { return step_; }
   int64_t num_params() const { return model_->num_params(); }
+  // The model's config.json (lineage or Hugging Face), without the training settings.
+  nlohmann::json architecture() const;
   const TextCorpus* corpus() const { return corpus_.get(); }  // text runs only
 
  private:
   Trainer() = default;
-  void start();
+  void start(bool resuming = false);
   uint64_t data_position() const;
   void log_evaluation(std::ostream& log, const Evaluation& e) const;
   TrainSettings settings_;
   std::string dir_;
-  std::unique_ptr<LineageModel> model_;
+  std::unique_ptr<TrainableModel> model_;
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<TaskStream> stream_;
   TestSet test_;

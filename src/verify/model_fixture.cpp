@@ -1,12 +1,15 @@
 #include "verify/model_fixture.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <vector>
 
 #include "core/error.h"
+#include "core/safetensors.h"
 #include "model/causal_lm.h"
 #include "runtime/sampling.h"
+#include "train/model_factory.h"
 
 namespace kda::verify {
 
@@ -111,6 +114,46 @@ FixtureReport check_model_folder(const std::string& path) {
   int64_t mismatches = 0;
   for (size_t i = 0; i < want.size(); ++i) mismatches += out[i] != want[i];
   report.rows.push_back({"decode", "greedy", double(mismatches), 0.0});
+
+  // Gradients of the loss with respect to every weight, when the folder has grads/.
+  const fs::path grads_path = fs::path(path) / "grads" / "model.safetensors";
+  if (fs::exists(grads_path) && N >= 2) {
+    const std::unique_ptr<train::TrainableModel> model = train::load_trainable(path);
+    std::vector<int32_t> targets(ids.begin() + 1, ids.end());
+    targets.push_back(-1);
+    model->zero_grad();
+    const double loss = model->forward_backward(ids.data(), targets.data(), 1, N, true).loss;
+    const std::vector<float> want = fx.f32("loss");
+    report.rows.push_back(
+        {"backward", "loss", std::abs(loss - want[0]) / std::abs(want[0]), kLossTolerance});
+    const SafetensorsFile grads = SafetensorsFile::open(grads_path.string());
+    const std::vector<std::string> names = grads.names();
+    double worst = 0;
+    std::string worst_name = "(none)";
+    int64_t compared = 0;
+    for (train::Param* p : model->params()) {
+      require(std::find(names.begin(), names.end(), p->name) != names.end(),
+              grads_path.string() + ": no gradient for '" + p->name + "'");
+      const Tensor g = grads.load(p->name, DType::f32);
+      require(g.numel() == p->grad.numel(),
+              grads_path.string() + ": '" + p->name + "' has the wrong size");
+      double num = 0, den = 0;
+      for (int64_t i = 0; i < g.numel(); ++i) {
+        const double d = double(p->grad.f32()[i]) - g.f32()[i];
+        num += d * d;
+        den += double(g.f32()[i]) * g.f32()[i];
+      }
+      const double error = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+      if (!(error <= worst)) worst = std::isfinite(error) ? error : NAN, worst_name = p->name;
+      ++compared;
+    }
+    require(compared == int64_t(names.size()),
+            grads_path.string() + " holds gradients for tensors the model does not have");
+    report.rows.push_back(
+        {"backward",
+         "gradients (" + std::to_string(compared) + " tensors; worst " + worst_name + ")", worst,
+         kModelGradientTolerance});
+  }
   return report;
 }
 

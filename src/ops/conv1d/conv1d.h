@@ -21,6 +21,13 @@ void short_conv_silu_forward(const float* x, int64_t T, int64_t C, int64_t x_str
 void short_conv_silu_decode_step(const float* x, int64_t C, const float* weight, int64_t W,
                                  float* state, float* y);
 
+// Backward of short_conv_silu_forward from a zero initial state (training: every sequence
+// starts fresh): dy [T, C] -> dx [T, C] with row stride dx_stride (overwritten), dweight [C, W]
+// accumulated. x as in the forward.
+void short_conv_silu_backward(const float* x, int64_t T, int64_t C, int64_t x_stride,
+                              const float* weight, int64_t W, const float* dy, float* dx,
+                              int64_t dx_stride, float* dweight);
+
 // float64 ground truth of short_conv_silu_forward (contiguous x).
 void short_conv_silu_reference(const double* x, int64_t T, int64_t C, const double* weight,
                                int64_t W, double* state, double* y);

@@ -20,4 +20,15 @@ void gated_rms_norm_sigmoid(const float* x, const float* gate, int64_t rows, int
 // y may alias x.
 void l2_normalize_rows(const float* x, int64_t rows, int64_t D, float eps, float* y);
 
+// Backward of gated_rms_norm_sigmoid: dx and dgate overwritten, dweight [D] accumulated over
+// every row. x, gate are the forward's inputs.
+void gated_rms_norm_sigmoid_backward(const float* x, const float* gate, int64_t rows, int64_t D,
+                                     const float* weight, float eps, const float* dy, float* dx,
+                                     float* dgate, float* dweight);
+
+// Backward of l2_normalize_rows: dx = (dy - y (y . dy)) / sqrt(sum(x^2) + eps), overwritten.
+// dx may alias dy.
+void l2_normalize_rows_backward(const float* x, int64_t rows, int64_t D, float eps, const float* dy,
+                                float* dx);
+
 }  // namespace kda::ops

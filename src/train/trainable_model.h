@@ -1,0 +1,45 @@
+// What the trainer needs from a model: named fp32 parameters with gradients, and one
+// forward (+ backward) over a batch of token rows. LineageModel (the lineage family) and the
+// Hugging Face architectures (gpt2, kimi_linear; train/hf_*.h) implement it.
+#pragma once
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace kda::train {
+
+struct Param {
+  std::string name;  // the checkpoint's tensor name
+  Tensor value, grad;
+  bool decay = true;  // weight decay applies (matrices only; not norms, biases, gates)
+};
+
+struct StepResult {
+  double loss = 0;
+  int64_t scored = 0, correct = 0;
+};
+
+class TrainableModel {
+ public:
+  virtual ~TrainableModel() = default;
+  virtual std::vector<Param*> params() = 0;
+  int64_t num_params();
+  // inputs, targets [B, T] (target -1: not scored); loss is the mean cross-entropy over scored
+  // targets. With backward, gradients of that loss are ACCUMULATED into Param::grad (zero them
+  // with zero_grad). cu_seqlens (optional) marks document starts in the B * T flattened tokens:
+  // it starts at 0, ends at B * T, increases strictly and holds every row start r * T; each
+  // document then runs as if alone (recurrent state from zero, attention within it, positions
+  // from 0).
+  virtual StepResult forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B,
+                                      int64_t T, bool backward,
+                                      std::span<const int64_t> cu_seqlens = {}) = 0;
+  void zero_grad();
+  // Called after each optimizer step (MoE models nudge their expert-selection bias here).
+  virtual void after_optimizer_step() {}
+};
+
+}  // namespace kda::train
