@@ -19,7 +19,7 @@ using train::LineageModel;
 
 // d loss / d theta along u = grad / |grad|, per parameter tensor, by central differences.
 TEST(LineageModel, EveryParameterGradientMatchesDirectionalFiniteDifferences) {
-  for (const char* pattern : {"AK", "LD", "GK", "KKKA", "AA"}) {
+  for (const char* pattern : {"AK", "LD", "GK", "KKKA", "AA", "KM"}) {
     LineageConfig config{32, 16, 2, 8, 24, pattern};
     LineageModel model(config, 11);
     // larger weights than the training init: bigger gradients, far above fp32 loss noise

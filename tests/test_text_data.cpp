@@ -264,7 +264,7 @@ double relative_error(const std::vector<double>& a, const std::vector<double>& r
 // One row holding two documents (one spanning chunks of 64) gives the loss and gradients of
 // the two documents run on their own, weighted by their scored tokens.
 TEST(TextDataModel, PackedRowOfTwoDocumentsMatchesTheDocumentsRunSeparately) {
-  for (const char* pattern : {"KKKA", "AA", "LDG"}) {
+  for (const char* pattern : {"KKKA", "AA", "LDG", "KM"}) {
     train::LineageModel model({32, 16, 2, 8, 24, pattern}, 3);
     for (train::Param* p : model.params())
       if (p->decay)

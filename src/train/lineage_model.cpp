@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "core/random.h"
+#include "train/kimi_train_layers.h"
 #include "train/layers.h"
 #include "train/mixer_layer.h"
 
@@ -22,9 +23,11 @@ MixerKind mixer_from_letter(char letter) {
       return MixerKind::gated_delta;
     case 'K':
       return MixerKind::kda;
+    case 'M':
+      return MixerKind::mla;
   }
   throw Error(std::string("unknown mixer letter '") + letter +
-              "' (A softmax, L linear, D DeltaNet, G Gated DeltaNet, K KDA)");
+              "' (A softmax, L linear, D DeltaNet, G Gated DeltaNet, K KDA, M MLA)");
 }
 
 std::string mixer_name(MixerKind kind) {
@@ -39,6 +42,8 @@ std::string mixer_name(MixerKind kind) {
       return "gated_delta";
     case MixerKind::kda:
       return "kda";
+    case MixerKind::mla:
+      return "mla";
   }
   return "?";
 }
@@ -53,6 +58,9 @@ void LineageConfig::validate() const {
 struct LineageModel::Block {
   Param *norm1, *norm2, *W1, *W3, *W2;
   std::unique_ptr<MixerLayer> mixer;
+  // MLA layers: Kimi Linear's NoPE MLA at the lineage's sizes (see LineageConfig)
+  model::KimiLinearConfig mla_config;
+  std::unique_ptr<KimiMlaTrainLayer> mla;
   // kept for the backward
   std::vector<float> h_in, a, inv1, h_mid, b, inv2, up_a, up_b, act;
 };
@@ -85,32 +93,53 @@ LineageModel::LineageModel(const LineageConfig& config, uint64_t seed) : config_
     auto block = std::make_unique<Block>();
     block->norm1 = add(pre + "norm1", {d}, false);
     ones(block->norm1);
+    if (kind == MixerKind::mla) {
+      model::KimiLinearConfig& c = block->mla_config;
+      c.hidden_size = d;
+      c.mla_heads = H;
+      c.qk_nope_head_dim = dh;
+      c.qk_rope_head_dim = std::max<int64_t>(1, dh / 2);
+      c.v_head_dim = dh;
+      c.kv_lora_rank = 4 * dh;
+      MlaLayerParams m;
+      m.q_proj = add(pre + "mixer.q", {H * c.mla_qk_dim(), d}, true);
+      m.kv_a = add(pre + "mixer.kv_a", {c.mla_row_width(), d}, true);
+      m.kv_a_layernorm = add(pre + "mixer.kv_a_norm", {c.kv_lora_rank}, false);
+      m.kv_b = add(pre + "mixer.kv_b", {H * (dh + dh), c.kv_lora_rank}, true);
+      m.o_proj = add(pre + "mixer.o", {d, H * dh}, true);
+      for (Param* p : {m.q_proj, m.kv_a, m.kv_b}) normal(p, sd);
+      ones(m.kv_a_layernorm);
+      normal(m.o_proj, out_sd);
+      block->mla = std::make_unique<KimiMlaTrainLayer>(block->mla_config, m);
+    }
     MixerWeights w;
-    w.Wq = add(pre + "mixer.q", {inner, d}, true);
-    w.Wk = add(pre + "mixer.k", {inner, d}, true);
-    w.Wv = add(pre + "mixer.v", {inner, d}, true);
-    w.Wo = add(pre + "mixer.o", {d, inner}, true);
-    for (Param* p : {w.Wq, w.Wk, w.Wv}) normal(p, sd);
-    normal(w.Wo, out_sd);
-    if (kind == MixerKind::delta || kind == MixerKind::gated_delta || kind == MixerKind::kda) {
-      w.Wb = add(pre + "mixer.b", {H, d}, true);
-      normal(w.Wb, sd);
-    }
-    if (kind == MixerKind::gated_delta || kind == MixerKind::kda) {
-      const int64_t gw = kind == MixerKind::kda ? inner : H;
-      w.Wg = add(pre + "mixer.g", {gw, d}, true);
-      normal(w.Wg, sd);
-      w.A_log = add(pre + "mixer.A_log", {H}, false);
-      for (float& a : w.A_log->value.span_f32()) a = std::log(rng.uniform(1.0f, 16.0f));
-      w.dt_bias = add(pre + "mixer.dt_bias", {gw}, false);
-      for (float& b : w.dt_bias->value.span_f32()) {
-        // Mamba's init: dt in [1e-3, 1e-1] log-uniformly, stored as softplus^-1(dt)
-        const float dt = std::exp(rng.uniform(std::log(1e-3f), std::log(1e-1f)));
-        b = dt + std::log(-std::expm1(-dt));
+    if (kind != MixerKind::mla) {
+      w.Wq = add(pre + "mixer.q", {inner, d}, true);
+      w.Wk = add(pre + "mixer.k", {inner, d}, true);
+      w.Wv = add(pre + "mixer.v", {inner, d}, true);
+      w.Wo = add(pre + "mixer.o", {d, inner}, true);
+      for (Param* p : {w.Wq, w.Wk, w.Wv}) normal(p, sd);
+      normal(w.Wo, out_sd);
+      if (kind == MixerKind::delta || kind == MixerKind::gated_delta || kind == MixerKind::kda) {
+        w.Wb = add(pre + "mixer.b", {H, d}, true);
+        normal(w.Wb, sd);
       }
+      if (kind == MixerKind::gated_delta || kind == MixerKind::kda) {
+        const int64_t gw = kind == MixerKind::kda ? inner : H;
+        w.Wg = add(pre + "mixer.g", {gw, d}, true);
+        normal(w.Wg, sd);
+        w.A_log = add(pre + "mixer.A_log", {H}, false);
+        for (float& a : w.A_log->value.span_f32()) a = std::log(rng.uniform(1.0f, 16.0f));
+        w.dt_bias = add(pre + "mixer.dt_bias", {gw}, false);
+        for (float& b : w.dt_bias->value.span_f32()) {
+          // Mamba's init: dt in [1e-3, 1e-1] log-uniformly, stored as softplus^-1(dt)
+          const float dt = std::exp(rng.uniform(std::log(1e-3f), std::log(1e-1f)));
+          b = dt + std::log(-std::expm1(-dt));
+        }
+      }
+      const bool all_softmax = config.pattern.find_first_not_of('A') == std::string::npos;
+      block->mixer = std::make_unique<MixerLayer>(kind, d, H, dh, w, all_softmax);
     }
-    const bool all_softmax = config.pattern.find_first_not_of('A') == std::string::npos;
-    block->mixer = std::make_unique<MixerLayer>(kind, d, H, dh, w, all_softmax);
     block->norm2 = add(pre + "norm2", {d}, false);
     ones(block->norm2);
     block->W1 = add(pre + "mlp.gate", {config.mlp_hidden, d}, true);
@@ -156,6 +185,9 @@ StepResult LineageModel::forward_backward(const int32_t* inputs, const int32_t* 
       require(std::binary_search(cu_seqlens.begin(), cu_seqlens.end(), r * T),
               "lineage model: cu_seqlens must hold every row start r * T");
   }
+  std::vector<int64_t> segments(cu_seqlens.begin(), cu_seqlens.end());
+  if (segments.empty())
+    for (int64_t r = 0; r <= B; ++r) segments.push_back(r * T);
   const float eps = config_.norm_eps;
   std::vector<float> h(rows * d), tmp(rows * d);
   for (int64_t r = 0; r < rows; ++r) {
@@ -168,7 +200,11 @@ StepResult LineageModel::forward_backward(const int32_t* inputs, const int32_t* 
     b.a.resize(rows * d);
     b.inv1.resize(rows);
     rms_norm_forward(h.data(), rows, d, b.norm1->value.f32(), eps, b.a.data(), b.inv1.data());
-    b.mixer->forward(b.a.data(), B, T, tmp.data(), cu_seqlens);
+    if (b.mla) {
+      b.mla->forward(b.a.data(), rows, segments, tmp.data());
+    } else {
+      b.mixer->forward(b.a.data(), B, T, tmp.data(), cu_seqlens);
+    }
     for (int64_t i = 0; i < rows * d; ++i) h[i] += tmp[i];
     b.h_mid = h;
     b.b.resize(rows * d);
@@ -212,7 +248,11 @@ StepResult LineageModel::forward_backward(const int32_t* inputs, const int32_t* 
     for (int64_t i = 0; i < rows * d; ++i) dh[i] += dtmp[i];
     // mixer: h_mid = h_in + mixer(norm1(h_in))
     std::vector<float> dan(rows * d);
-    b.mixer->backward(dh.data(), dan.data());
+    if (b.mla) {
+      b.mla->backward(dh.data(), dan.data());
+    } else {
+      b.mixer->backward(dh.data(), dan.data());
+    }
     rms_norm_backward(b.h_in.data(), dan.data(), rows, d, b.norm1->value.f32(), b.inv1.data(),
                       dtmp.data(), b.norm1->grad.f32());
     for (int64_t i = 0; i < rows * d; ++i) dh[i] += dtmp[i];

@@ -15,8 +15,10 @@
 
 namespace kda::train {
 
-// Pattern letters: A softmax attention, L linear attention, D DeltaNet, G Gated DeltaNet, K KDA.
-enum class MixerKind { softmax, linear, delta, gated_delta, kda };
+// Pattern letters: A softmax attention, L linear attention, D DeltaNet, G Gated DeltaNet, K KDA,
+// M Kimi Linear's NoPE MLA (per head: qk_nope = v = head_dim, rope part head_dim / 2, latent
+// 4 head_dim: Kimi's 128 / 64 / 128 / 512 at head_dim 128).
+enum class MixerKind { softmax, linear, delta, gated_delta, kda, mla };
 MixerKind mixer_from_letter(char letter);
 std::string mixer_name(MixerKind kind);
 

@@ -1,8 +1,11 @@
 #include "train/mixer_layer.h"
 
+#include "core/error.h"
+
 #include <algorithm>
 #include <cmath>
 
+#include "core/error.h"
 #include "ops/attention/attention.h"
 #include "ops/delta_rule/delta_rule.h"
 #include "ops/kda/kda.h"
@@ -138,6 +141,8 @@ void MixerLayer::forward(const float* x, int64_t B, int64_t T, float* y,
                              o_.data(), nullptr);
       break;
     }
+    case MixerKind::mla:
+      throw Error("MixerLayer: MLA layers run through KimiMlaTrainLayer");
   }
   linear_forward(o_.data(), rows, inner, w_.Wo->value.f32(), d_, y);
 }
@@ -227,6 +232,8 @@ void MixerLayer::backward(const float* dy, float* dx) {
       for (int64_t i = 0; i < inner; ++i) w_.dt_bias->grad.f32()[i] += ddt[i];
       break;
     }
+    case MixerKind::mla:
+      throw Error("MixerLayer: MLA layers run through KimiMlaTrainLayer");
   }
   const float* x = x_.data();
   linear_backward(x, dq.data(), rows, d_, w_.Wq->value.f32(), inner, dx, w_.Wq->grad.f32());
