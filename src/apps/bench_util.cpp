@@ -7,6 +7,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/blas.h"
 #include "core/error.h"
 #include "core/random.h"
 #include "core/safetensors.h"
@@ -169,6 +170,22 @@ DeltaInputsBuffer::DeltaInputsBuffer(const ops::DeltaRuleShape& s, uint64_t seed
     g.resize(tokens * s.HV * s.gate_width());
     rng.fill_uniform(g, -0.1f, -0.001f);  // per-token log-decays of a trained layer's order
   }
+}
+
+// Best-of-`reps` GFLOP/s of a square fp32 GEMM through OpenBLAS on all threads.
+double measure_gemm_gflops(int n, int reps) {
+  std::vector<float> a(size_t(n) * n), b(a.size()), c(a.size());
+  Random rng(1);
+  rng.fill_normal(a);
+  rng.fill_normal(b);
+  gemm_nn(n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);  // warm up
+  double best = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    Stopwatch w;
+    gemm_nn(n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
+    best = std::min(best, w.seconds());
+  }
+  return 2.0 * n * n * n / best / 1e9;
 }
 
 }  // namespace kda::apps

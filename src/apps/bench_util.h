@@ -22,6 +22,10 @@ std::string machine_description();  // CPU model from /proc/cpuinfo
 // Minimum wall time of `reps` runs of fn (after one warm-up run when warm_up is true).
 double best_seconds(int reps, const std::function<void()>& fn, bool warm_up = true);
 
+// Best-of-`reps` GFLOP/s of a square fp32 GEMM through OpenBLAS on all threads: the ceiling
+// the CPU benchmarks report against.
+double measure_gemm_gflops(int n, int reps);
+
 // A table printed aligned to the terminal and written as markdown and CSV.
 class Table {
  public:

@@ -20,26 +20,11 @@ void print_usage() {
       "usage: kda bench [--lengths 4096,16384] [--heads 4] [--dim 128] [--reps 3] [--out DIR]\n"
       "       kda bench recall [--quick] ...   (see kda bench recall --help)\n"
       "       kda bench decode [--tiny] ...    (see kda bench decode --help)\n"
+      "       kda bench train [--model CONFIG] ... (see kda bench train --help)\n"
       "\n"
       "Measures the fp32 GEMM rate (the ceiling), then for KDA and Gated DeltaNet: chunked\n"
       "forward, chunked forward+backward and recurrent forward, in tokens/s and GFLOP/s.\n"
       "Writes bench.md and bench.csv to DIR (default out/bench).");
-}
-
-// Best-of-`reps` GFLOP/s of a square fp32 GEMM through OpenBLAS on all threads.
-double measure_gemm_gflops(int n, int reps) {
-  std::vector<float> a(size_t(n) * n), b(a.size()), c(a.size());
-  Random rng(1);
-  rng.fill_normal(a);
-  rng.fill_normal(b);
-  gemm_nn(n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);  // warm up
-  double best = 1e30;
-  for (int r = 0; r < reps; ++r) {
-    Stopwatch w;
-    gemm_nn(n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
-    best = std::min(best, w.seconds());
-  }
-  return 2.0 * n * n * n / best / 1e9;
 }
 
 }  // namespace
@@ -47,6 +32,8 @@ double measure_gemm_gflops(int n, int reps) {
 int cmd_bench(const Args& args) {
   if (!args.empty() && args[0] == "recall")
     return cmd_bench_recall(Args(args.begin() + 1, args.end()));
+  if (!args.empty() && args[0] == "train")
+    return cmd_bench_train(Args(args.begin() + 1, args.end()));
   if (!args.empty() && args[0] == "decode")
     return cmd_bench_decode(Args(args.begin() + 1, args.end()));
   std::vector<int64_t> lengths = {4096, 16384};
