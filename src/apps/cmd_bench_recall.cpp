@@ -1,12 +1,17 @@
 // kda bench recall: trains 2-layer models of every kind of the lineage on MQAR, Palindrome and
 // Stack, and reports test accuracy (the Zoology / Kimi Linear synthetic recall tests).
+#include <omp.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <filesystem>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "apps/bench_util.h"
@@ -33,16 +38,16 @@ void print_usage() {
   std::puts(
       "usage: kda bench recall [--quick] [--steps N] [--lengths 256,512,1024,2048]\n"
       "                        [--mixers softmax,kda,...] [--tasks mqar,palindrome,stack]\n"
-      "                        [--out DIR]\n"
+      "                        [--lrs 5e-4,1e-3,3e-3] [--jobs N] [--out DIR]\n"
       "\n"
       "Trains 2-layer models (2 heads, equal width across mixers) of each kind: softmax, linear,\n"
       "delta, gated_delta, kda and the kda+softmax hybrid, on MQAR (length/8 key-value pairs),\n"
       "Palindrome and Stack, best of a learning-rate sweep, and reports test accuracy.\n"
       "Full grid: heads of 128, vocab 8192, lengths 256-2048, lr {5e-4, 1e-3, 3e-3}.\n"
       "--quick: heads of 32, vocab 128, lengths 64 and 128, lr 3e-3, 300 steps: a smoke run\n"
-      "for two CPU cores (minutes, not a result: MQAR needs far more steps). Writes DIR/recall.md, "
-      "recall.json (a list of\n"
-      "{mixer, task, seq_len, accuracy}) and recall.svg (default out/recall).");
+      "for two CPU cores (minutes, not a result: MQAR needs far more steps). --jobs N trains N\n"
+      "cells at once, one thread each. Writes DIR/recall.md, recall.json (a list of {mixer,\n"
+      "task, seq_len, accuracy, lr}) and recall.svg (default out/recall).");
 }
 
 std::vector<std::string> split(const std::string& text) {
@@ -113,6 +118,8 @@ int cmd_bench_recall(const Args& args) {
   std::vector<std::string> task_names = {"mqar", "palindrome", "stack"};
   std::vector<MixerEntry> mixers = kMixers;
   std::string out_dir = "out/recall";
+  std::vector<float> lrs;
+  int64_t jobs = 1;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
@@ -132,7 +139,17 @@ int cmd_bench_recall(const Args& args) {
       task_names = split(value);
     else if (a == "--out")
       out_dir = value;
-    else if (a == "--mixers") {
+    else if (a == "--jobs")
+      jobs = parse_int(value, a);
+    else if (a == "--lrs") {
+      for (const std::string& item : split(value)) {
+        try {
+          lrs.push_back(std::stof(item));
+        } catch (const std::exception&) {
+          throw Error("bench recall: --lrs: '" + item + "' is not a number");
+        }
+      }
+    } else if (a == "--mixers") {
       mixers.clear();
       for (const std::string& name : split(value)) {
         auto it = std::find_if(kMixers.begin(), kMixers.end(),
@@ -146,9 +163,9 @@ int cmd_bench_recall(const Args& args) {
   }
   if (lengths.empty())
     lengths = quick ? std::vector<int64_t>{64, 128} : std::vector<int64_t>{256, 512, 1024, 2048};
-  if (steps == 0) steps = quick ? 150 : 4000;
-  const std::vector<float> lrs =
-      quick ? std::vector<float>{1e-3f, 3e-3f} : std::vector<float>{5e-4f, 1e-3f, 3e-3f};
+  if (steps == 0) steps = quick ? 300 : 4000;
+  if (lrs.empty())
+    lrs = quick ? std::vector<float>{3e-3f} : std::vector<float>{5e-4f, 1e-3f, 3e-3f};
   const int64_t head_dim = quick ? 32 : 128, vocab = quick ? 128 : 8192;
   for (const std::string& t : task_names) train::parse_task(t);
 
@@ -157,35 +174,66 @@ int cmd_bench_recall(const Args& args) {
       "%d threads\n",
       quick ? " --quick" : "", mixers.size(), task_names.size(), lengths.size(), lrs.size(),
       (long long)steps, hardware_threads());
+  // Every (task, length, mixer, lr) cell is one independent training run; --jobs runs that
+  // many at once, each single-threaded (small models scale better across runs than inside one).
+  struct Cell {
+    std::string task;
+    int64_t T;
+    MixerEntry mixer;
+    float lr;
+    train::RecallResult result;
+  };
+  std::vector<Cell> cells;
+  for (const std::string& task : task_names)
+    for (int64_t T : lengths)
+      for (const MixerEntry& m : mixers)
+        for (float lr : lrs) cells.push_back({task, T, m, lr, {}});
   Stopwatch total;
+  std::atomic<size_t> next{0};
+  std::mutex print_mutex;
+  auto worker = [&](bool single_threaded) {
+    if (single_threaded) omp_set_num_threads(1);
+    for (size_t i = next++; i < cells.size(); i = next++) {
+      Cell& c = cells[i];
+      train::RecallRun run;
+      run.model = {vocab, 2 * head_dim, 2, head_dim, 4 * head_dim, c.mixer.pattern};
+      run.task = {train::parse_task(c.task), vocab, c.T, 0};
+      run.lr = c.lr;
+      run.steps = steps;
+      run.batch = quick ? 16 : 32;
+      run.test_examples = quick ? 128 : 512;
+      run.seed = 17;
+      c.result = train::run_recall(run);
+      std::lock_guard<std::mutex> lock(print_mutex);
+      std::fprintf(stderr, "  %-11s %-10s T=%-5lld lr %.0e acc %5.1f%% loss %.3f  [%.0f s]\n",
+                   c.mixer.name.c_str(), c.task.c_str(), (long long)c.T, c.lr,
+                   100 * c.result.accuracy, c.result.final_loss, total.seconds());
+    }
+  };
+  if (jobs <= 1) {
+    worker(false);
+  } else {
+    std::vector<std::thread> threads;
+    for (int64_t j = 0; j < jobs; ++j) threads.emplace_back(worker, true);
+    for (std::thread& t : threads) t.join();
+  }
   std::map<std::string, double> best;
   nlohmann::json results = nlohmann::json::array();
   for (const std::string& task : task_names)
     for (int64_t T : lengths)
       for (const MixerEntry& m : mixers) {
-        double top = 0;
+        double top = -1;
         float top_lr = lrs[0];
-        for (float lr : lrs) {
-          train::RecallRun run;
-          run.model = {vocab, 2 * head_dim, 2, head_dim, 4 * head_dim, m.pattern};
-          run.task = {train::parse_task(task), vocab, T, 0};
-          run.lr = lr;
-          run.steps = steps;
-          run.batch = quick ? 16 : 32;
-          run.test_examples = quick ? 128 : 512;
-          run.seed = 17;
-          const train::RecallResult r = train::run_recall(run);
-          if (r.accuracy >= top) {
-            top = r.accuracy;
-            top_lr = lr;
+        for (const Cell& c : cells) {
+          if (c.task != task || c.T != T || c.mixer.name != m.name) continue;
+          if (c.result.accuracy > top) {
+            top = c.result.accuracy;
+            top_lr = c.lr;
           }
         }
         best[m.name + "/" + task + "/" + std::to_string(T)] = top;
         results.push_back(
             {{"mixer", m.name}, {"task", task}, {"seq_len", T}, {"accuracy", top}, {"lr", top_lr}});
-        std::fprintf(stderr, "  %-11s %-10s T=%-5lld acc %5.1f%% (lr %.0e)  [%.0f s]\n",
-                     m.name.c_str(), task.c_str(), (long long)T, 100 * top, top_lr,
-                     total.seconds());
       }
   std::vector<std::string> header = {"mixer"};
   for (const std::string& task : task_names)
