@@ -94,3 +94,39 @@ TEST(CliTrain, CtrlCSavesACheckpointThatResumes) {
 }
 
 }  // namespace
+
+namespace {
+
+const std::string kKimiTiny = std::string(KDA_SHARED_DIR) + "/fixtures/models/kimi_linear_tiny";
+const std::string kKimiArgs = " --task mqar --vocab 64 --seq-len 32 --batch 2 --lr 3e-3 --seed 7";
+
+// A Kimi Linear run (KDA, MLA, MoE with its balancing bias) resumes bit for bit, and its
+// folder, exported to bf16, runs in `kda run`.
+TEST(CliTrain, KimiLinearRunResumesExactlyAndExportsARunnableModel) {
+  const fs::path a = fs::temp_directory_path() / "kda_train_kimi_a",
+                 b = fs::temp_directory_path() / "kda_train_kimi_b",
+                 e = fs::temp_directory_path() / "kda_train_kimi_export";
+  for (const fs::path& p : {a, b, e}) fs::remove_all(p);
+  const std::string model = " --model " + kKimiTiny + "/config.json";
+  ASSERT_EQ(run("train --out " + a.string() + " --steps 6" + model + kKimiArgs), 0);
+  ASSERT_EQ(run("train --out " + b.string() + " --steps 6 --stop-after 3" + model + kKimiArgs), 0);
+  ASSERT_EQ(run("train --resume " + b.string()), 0);
+  const auto la = lines(a / "log.jsonl"), lb = lines(b / "log.jsonl");
+  ASSERT_EQ(la.size(), 6u);
+  ASSERT_EQ(lb.size(), 6u);
+  for (size_t i = 0; i < la.size(); ++i)
+    EXPECT_EQ(loss_of(la[i]), loss_of(lb[i])) << "step " << i + 1;
+  // the run folder is a model folder, and so is its bf16 export
+  EXPECT_EQ(run("run -m " + a.string() + " --ids 1,2,3 -n 4"), 0);
+  ASSERT_EQ(run("export " + a.string() + " " + e.string()), 0);
+  EXPECT_LT(fs::file_size(e / "model.safetensors"),
+            fs::file_size(a / "model.safetensors") * 6 / 10);
+  EXPECT_EQ(run("run -m " + e.string() + " --ids 1,2,3 -n 4"), 0);
+  EXPECT_NE(run("export " + a.string() + " " + e.string()), 0);  // never overwrites
+  // starting from a folder's weights
+  fs::remove_all(b);
+  EXPECT_EQ(run("train --out " + b.string() + " --steps 2 --model " + kKimiTiny + kKimiArgs), 0);
+  for (const fs::path& p : {a, b, e}) fs::remove_all(p);
+}
+
+}  // namespace
