@@ -4,7 +4,9 @@
 # compute-sanitizer (memcheck, racecheck) on one small case, time fla on the same shapes (when
 # gpu_carry/fla is present), and print the table last.
 #
-#   scripts/gpu_run.sh [--check-only | --bench-only]
+#   scripts/gpu_run.sh [--check-only | --bench-only | --no-fla]
+#
+# --no-fla: check, bench and compute-sanitizer, without timing fla (a quicker call).
 #
 # Logs and tables go to $OUT when set (the device tool's output folder), else out/gpu/.
 # Exit status: non-zero if the build fails or any check fails.
@@ -39,11 +41,19 @@ else
   fi
   echo "built in $(($(date +%s) - start)) s"
 fi
+# registers / stack / spills of the kernels (the compiler's resource report, from the binary)
+if command -v cuobjdump >/dev/null; then
+  cuobjdump -res-usage "$bin" 2>/dev/null >"$log_dir/res_usage.log"
+  awk '/Function/{f=$2} /REG:/{print $1, $2, $4, f}' "$log_dir/res_usage.log" |
+    { command -v c++filt >/dev/null && c++filt || cat; } |
+    grep -E "chunk_state_kernel|decode_kernel|chunk_prepare_kernel" | cut -c1-150 | sort -u
+fi
 
 args=(--out "$log_dir/ours.tsv")
 case "$mode" in
   --check-only) args+=(--check) ;;
   --bench-only) args+=(--bench) ;;
+  --no-fla) args+=(--check --bench) ;;
   *) args+=(--check --bench) ;;
 esac
 echo "== kda_gpu_check ${args[*]}"
@@ -63,6 +73,10 @@ else
   echo "compute-sanitizer not found"
 fi
 
+if [ "$mode" = "--no-fla" ]; then
+  grep "^BENCH" "$log_dir/check_bench.log"
+  exit "$status"
+fi
 echo "== fla (same shapes, same run)"
 if [ -d gpu_carry/fla ]; then
   export PYTHONPATH="$PWD/gpu_carry${PYTHONPATH:+:$PYTHONPATH}"

@@ -11,6 +11,9 @@ K = V = 128, initial state none, final state returned (forward), states in a 102
 pool updated in place (KDA decode). Forward + backward: torch autograd through chunk_kda /
 chunk_gated_delta_rule with the layer options off (gates and betas given, no in-kernel l2norm),
 o and the final state back-propagated from random do, dht (as kda_gpu_check does).
+chunk_fwd_kda_layer: chunk_kda with the KDA layer's in-kernel options (use_qk_l2norm_in_kernel,
+use_gate_in_kernel with A_log, dt_bias, safe_gate and lower_bound = -5,
+use_beta_sigmoid_in_kernel) on raw q, k, gate and beta logits.
 """
 import argparse
 import signal
@@ -99,7 +102,22 @@ def time_fla(results):
             key = f"{B}x{T}"
             results[("chunk_fwd_kda", key)] = bench(
                 lambda: chunk_kda(q, k, v, gk, beta, output_final_state=True))
-            del gk
+            # the KDA layer's anchor: in-kernel l2norm, gate (safe_gate, lower_bound -5) and
+            # sigmoid(beta) from raw inputs (kda_gpu_check's chunk_fwd_kda_layer)
+            qr = torch.randn(B, T, H, K, device=dev, dtype=bf)
+            kr = torch.randn(B, T, H, K, device=dev, dtype=bf)
+            graw = torch.randn(B, T, H, K, device=dev, dtype=bf)
+            braw = torch.randn(B, T, H, device=dev, dtype=bf)
+            A_log = torch.zeros(H, device=dev, dtype=torch.float32)
+            dt_bias = torch.rand(H * K, device=dev, dtype=torch.float32) - 0.5
+            results[("chunk_fwd_kda_layer", key)] = bench(
+                lambda: chunk_kda(qr, kr, v, graw, braw, A_log=A_log, dt_bias=dt_bias,
+                                  use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                  use_beta_sigmoid_in_kernel=True, safe_gate=True,
+                                  lower_bound=-5.0, output_final_state=True))
+            print(f"fla chunk {key}: kda layer options "
+                  f"{fmt(results[('chunk_fwd_kda_layer', key)])} ms", flush=True)
+            del gk, qr, kr, graw, braw
             results[("chunk_fwd_gdn", key)] = bench(
                 lambda: chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True))
             print(f"fla chunk {key}: kda {fmt(results[('chunk_fwd_kda', key)])} ms, "

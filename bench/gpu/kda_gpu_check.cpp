@@ -7,13 +7,16 @@
 //   DeltaNet, T = 1, 63, 64, 65, 2047, packed varlen with a length-1 sequence, grouped value
 //   heads, K = V = 64 and 128, initial and final states; decode step by step against the float64
 //   recurrence and against the chunked prefill. Relative RMS error ||x - ref|| / ||ref||.
+//   Also: two-tile chunk_state blocks (many heads), the pipelined forward (long sequences), and
+//   the KDA layer's in-kernel options (l2norm, gate activation, sigmoid beta) against
+//   kda_reference.
 //   Chunked backward (bf16): dq, dk, dv, dg, dbeta, dh0 against the CPU fp32 chunked backward
 //   (delta_rule_chunk_backward, verified to 1e-7 against float64) on the same bf16-rounded
 //   inputs; tolerances fla's: 8e-3 (dq, dk, dv, dh0), 2e-2 (dg, dbeta).
 // --small: one small forward and backward case (for compute-sanitizer).
-// --bench: copy bandwidth and cuBLAS bf16 GEMM ceilings, chunked forward (KDA, GDN) at
-//   H = 32, K = V = 128 for 8x2048, 2x8192, 1x65536, forward + backward on the same shapes,
-//   and decode for B = 1, 16, 64, 128.
+// --bench: copy bandwidth and cuBLAS bf16 GEMM ceilings, chunked forward (KDA, GDN; KDA also
+//   with the layer options) at H = 32, K = V = 128 for 8x2048, 2x8192, 1x65536, forward +
+//   backward on the same shapes, and decode for B = 1, 16, 64, 128.
 //   Results go to FILE as tab-separated lines (read by bench/gpu/fla_bench.py).
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -35,6 +38,7 @@
 #include "ops/common/sequences.h"
 #include "ops/delta_rule/cuda/delta_rule_cuda.h"
 #include "ops/delta_rule/delta_rule.h"
+#include "ops/kda/kda.h"
 
 using namespace kda;
 using namespace kda::ops;
@@ -366,6 +370,76 @@ void check_backward(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV, int6
   report(name, "dh0", rel_rms(download(dh0.ptr, rh0.size(), ElementType::f32), wide(rh0)), 8e-3);
 }
 
+// A KDA layer's in-kernel options (l2norm of raw q / k, the activated gate from graw, A_log and
+// dt_bias, sigmoid(braw)) in the bf16 chunked forward, against kda_reference (float64) on the
+// same bf16-rounded raw inputs.
+void check_kda_layer(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V,
+                     std::vector<int64_t> cu, bool with_h0, bool l2norm, KdaGate gate,
+                     uint64_t seed) {
+  const auto bf = ElementType::bf16;
+  DeltaRuleShape s{B, T, H, HV, K, V, Gate::channel, 0};
+  Inputs in = make_inputs(s, cu, with_h0, seed);
+  Random rng(seed + 5);
+  // raw q, k (with l2norm): not normalised, so the norm matters; raw gate and beta logits
+  if (l2norm)
+    for (auto* x : {&in.q, &in.k})
+      for (float& e : *x) e *= 3.f * rng.uniform(0.5f, 1.5f);
+  for (float& e : in.g) e = rng.normal();
+  for (float& e : in.beta) e = rng.normal();
+  std::vector<float> A_log(HV), dt_bias(HV * K);
+  for (float& a : A_log)  // softplus gate: exp(A_log) in [0.5, 1] keeps the gate precondition
+    a = gate == KdaGate::softplus ? std::log(rng.uniform(0.5f, 1.f)) : std::log(rng.uniform(1, 16));
+  for (float& d : dt_bias) d = 0.5f * rng.normal();
+  const Uploaded u = upload_all(in, bf);
+  DeviceBuffer A_dev(A_log.size() * 4), dt_dev(dt_bias.size() * 4);
+  ck(cudaMemcpy(A_dev.ptr, A_log.data(), A_dev.bytes, cudaMemcpyHostToDevice), "A_log");
+  ck(cudaMemcpy(dt_dev.ptr, dt_bias.data(), dt_dev.bytes, cudaMemcpyHostToDevice), "dt_bias");
+
+  KdaOptions opt;
+  opt.l2norm_qk = l2norm;
+  opt.gate = gate;
+  opt.lower_bound = -5.0;
+  const std::vector<double> A_d(A_log.begin(), A_log.end()), dt_d(dt_bias.begin(), dt_bias.end());
+  KdaInputs<double> ri;
+  ri.shape = s;
+  ri.options = opt;
+  ri.q = u.q.rounded.data();
+  ri.k = u.k.rounded.data();
+  ri.v = u.v.rounded.data();
+  ri.graw = u.g.rounded.data();
+  ri.braw = u.beta.rounded.data();
+  ri.A_log = A_d.data();
+  ri.dt_bias = dt_d.data();
+  ri.h0 = u.h0_rounded.empty() ? nullptr : u.h0_rounded.data();
+  ri.cu_seqlens = in.cu;
+  std::vector<double> ref_o(in.tokens * HV * V), ref_ht(in.N * HV * K * V);
+  kda_reference(ri, ref_o.data(), ref_ht.data());
+
+  auto d = device_inputs(in, u, bf);
+  d.kda_layer.l2norm_qk = l2norm;
+  d.kda_layer.gate_in_kernel = true;
+  d.kda_layer.gate = gate;
+  d.kda_layer.lower_bound = -5.f;
+  d.kda_layer.A_log = A_dev.as<float>();
+  d.kda_layer.dt_bias = dt_dev.as<float>();
+  d.kda_layer.beta_sigmoid = true;
+  DeviceBuffer o(in.tokens * HV * V * 2), ht(in.N * HV * K * V * 4);
+  poison(o);
+  poison(ht);
+  const size_t ws_bytes = cuda::chunk_forward_workspace_bytes(s, in.cu);
+  DeviceBuffer ws(ws_bytes);
+  poison(ws);
+  cuda::chunk_forward(d, o.ptr, ht.as<float>(), ws.ptr, ws_bytes, nullptr);
+  ck(cudaDeviceSynchronize(), "kda layer forward");
+  char name[160];
+  std::snprintf(name, sizeof name, "chunk kda-layer %s%s B%lld T%lld H%lld HV%lld K%lld V%lld%s%s",
+                gate == KdaGate::softplus ? "softplus" : "lower-bound", l2norm ? " l2norm" : "",
+                (long long)B, (long long)T, (long long)H, (long long)HV, (long long)K, (long long)V,
+                cu.empty() ? "" : " varlen", with_h0 ? " h0" : "");
+  report(name, "o", rel_rms(download(o.ptr, in.tokens * HV * V, bf), ref_o), 5e-3);
+  report(name, "ht", rel_rms(download(ht.ptr, in.N * HV * K * V, ElementType::f32), ref_ht), 5e-3);
+}
+
 // Prefill (chunked) the prompts into scattered slots of a pool, decode D tokens step by step,
 // compare against the float64 recurrence and against one chunked pass over prompt + decoded.
 void check_decode(Gate gate, int64_t H, int64_t HV, int64_t K, int64_t V, ElementType t,
@@ -503,6 +577,18 @@ void run_checks() {
   }
   check_forward(Gate::none, 2, 130, 2, 2, 128, 128, {}, true, bf, false, ++seed);
   check_forward(Gate::none, 2, 130, 2, 2, 64, 64, {}, true, f32, false, ++seed);
+  // enough sequences x heads for chunk_state's two-tile blocks (NT = 2, the production path)
+  check_forward(Gate::channel, 3, 130, 22, 44, 128, 128, {}, true, bf, false, ++seed);
+  check_forward(Gate::scalar, 3, 130, 22, 44, 128, 128, {}, true, bf, false, ++seed);
+  // long sequences, state grid <= one block per SM: the pipelined forward (pieces of chunks),
+  // here with sequences of different lengths (one of 1 token) and an initial state
+  for (Gate gate : {Gate::channel, Gate::scalar})
+    check_forward(gate, 1, 4200, 2, 4, 128, 128, {0, 2100, 2101, 4200}, true, bf, false, ++seed);
+  // KDA layer options in the kernel
+  check_kda_layer(2, 130, 2, 4, 128, 128, {}, true, true, KdaGate::lower_bound, ++seed);
+  check_kda_layer(1, 521, 2, 4, 128, 128, varlen, false, true, KdaGate::lower_bound, ++seed);
+  check_kda_layer(1, 300, 1, 2, 64, 64, {}, true, false, KdaGate::lower_bound, ++seed);
+  check_kda_layer(2, 200, 2, 2, 128, 128, {}, true, true, KdaGate::softplus, ++seed);
   // backward (bf16) against the CPU fp32 chunked backward
   for (Gate gate : {Gate::channel, Gate::scalar}) {
     for (int64_t T : {1, 63, 64, 65})
@@ -521,6 +607,14 @@ void run_small() {
   check_forward(Gate::channel, 1, 130, 1, 2, 64, 64, {}, true, ElementType::bf16, false, 7);
   check_backward(Gate::channel, 1, 130, 1, 2, 64, 64, {}, true, true, 8);
   check_backward(Gate::scalar, 1, 70, 1, 1, 128, 128, {}, true, true, 9);
+  check_forward(Gate::scalar, 1, 130, 1, 2, 64, 64, {}, true, ElementType::bf16, false, 10);
+  check_kda_layer(1, 70, 1, 2, 64, 64, {}, true, true, KdaGate::lower_bound, 11);
+  check_decode(Gate::channel, 1, 2, 64, 64, ElementType::bf16, 12);
+  // the pipelined forward (32 chunks: 8 pieces), KDA and the Gated DeltaNet raw q / k path
+  check_forward(Gate::channel, 1, 2048, 1, 1, 64, 64, {}, true, ElementType::bf16, false, 13);
+  check_forward(Gate::scalar, 1, 2048, 1, 1, 64, 64, {}, true, ElementType::bf16, false, 14);
+  // two-tile state blocks (2 x 30 heads x 2 >= 0.9 x 132 SMs): the Gated DeltaNet raw path
+  check_forward(Gate::scalar, 2, 70, 15, 30, 128, 128, {}, true, ElementType::bf16, false, 15);
 }
 
 // ---------------------------------------------------------------- benchmarks
@@ -718,6 +812,44 @@ void run_bench(const std::string& out_path) {
       std::fflush(stdout);
       out << "chunk_fwd_" << gate_name(gate) << "\t" << sh.B << "x" << sh.T << "\t" << ms << "\t"
           << floor_ms << "\n";
+      if (gate == Gate::channel) {
+        // the KDA layer's in-kernel options (as fla's anchor: l2norm q / k, the lower-bound
+        // gate from graw with A_log and dt_bias, sigmoid(braw)); the same tensors as raw inputs
+        std::vector<float> A_log(H, 0.f), dt_bias(H * K);
+        Random rng(18);
+        for (float& x : dt_bias) x = rng.uniform(-0.5f, 0.5f);
+        DeviceBuffer A_dev(H * 4), dt_dev(H * K * 4);
+        ck(cudaMemcpy(A_dev.ptr, A_log.data(), A_dev.bytes, cudaMemcpyHostToDevice), "A_log");
+        ck(cudaMemcpy(dt_dev.ptr, dt_bias.data(), dt_dev.bytes, cudaMemcpyHostToDevice), "dt");
+        cuda::DeltaRuleDeviceInputs dl = d;
+        dl.kda_layer.l2norm_qk = true;
+        dl.kda_layer.gate_in_kernel = true;
+        dl.kda_layer.gate = KdaGate::lower_bound;
+        dl.kda_layer.lower_bound = -5.f;
+        dl.kda_layer.A_log = A_dev.as<float>();
+        dl.kda_layer.dt_bias = dt_dev.as<float>();
+        dl.kda_layer.beta_sigmoid = true;
+        // Kernel-lab knob: KDA_LAYER_OPTS=[n][g][b] keeps only those options (timing only)
+        if (const char* opts = std::getenv("KDA_LAYER_OPTS")) {
+          dl.kda_layer.l2norm_qk = std::strchr(opts, 'n') != nullptr;
+          dl.kda_layer.gate_in_kernel = std::strchr(opts, 'g') != nullptr;
+          dl.kda_layer.beta_sigmoid = std::strchr(opts, 'b') != nullptr;
+        }
+        auto layer_call = [&](int) {
+          cuda::chunk_forward(dl, o.ptr, ht.as<float>(), ws.ptr, ws_bytes, nullptr);
+        };
+        const double layer_ms = timer.median_ms(layer_call, 3, 15);
+        setenv("KDA_CHUNK_STAGES", "prepare", 1);
+        const double layer_prepare_ms = timer.median_ms(layer_call, 2, 10);
+        unsetenv("KDA_CHUNK_STAGES");
+        std::printf(
+            "BENCH chunk_fwd kda-layer %lldx%lld: %.3f ms (prepare %.3f; l2norm, "
+            "lower-bound gate, sigmoid beta in the kernel)\n",
+            (long long)sh.B, (long long)sh.T, layer_ms, layer_prepare_ms);
+        std::fflush(stdout);
+        out << "chunk_fwd_kda_layer\t" << sh.B << "x" << sh.T << "\t" << layer_ms << "\t"
+            << floor_ms << "\n";
+      }
 
       // Forward + backward (as a training step: o and ht, then every gradient from do and dht).
       DeviceBuffer d_o(tokens * H * V * 2), dht(size_t(sh.B) * H * K * V * 4),

@@ -31,6 +31,9 @@ void chunk_backward(const DeltaRuleDeviceInputs& in, const void* d_o, const floa
   const DeltaRuleShape& s = in.shape;
   s.validate();
   require(in.dtype == ElementType::bf16, "delta rule (cuda backward): bf16 inputs only");
+  require(!in.kda_layer.any(),
+          "delta rule (cuda backward): KDA layer options are forward-only (apply the "
+          "activations outside and pass the activated inputs)");
   require(s.K == s.V && (s.K == 64 || s.K == 128),
           "delta rule (cuda backward): supports K = V in {64, 128}, got K=" + std::to_string(s.K) +
               " V=" + std::to_string(s.V));

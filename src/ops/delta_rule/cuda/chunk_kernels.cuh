@@ -7,6 +7,10 @@
 // 2. chunk_state (sequential over chunks, parallel over sequences x value heads x 32-column
 //    state tiles): D = U - W S0, O = Qt S0 + M D, S = exp(G_C) S0 + Kd^T D.
 // Rows of a chunk past its sequence's end are zero in every workspace array.
+// Gated DeltaNet forward (ChunkWorkspace::raw_qk): the decay factors are per-row scalars, so
+// chunk_prepare skips Qt and Kd and writes the gate cumsum G (log2 units, C floats) where
+// exp(G_C) would go; chunk_state reads q and k themselves and applies the factors as row
+// scalings of its products (O rows by scale 2^G_i, Kd's token columns by 2^(G_C - G_j)).
 //
 // The backward (chunk_backward.cu) runs both forward kernels again with the optional outputs
 // below switched on, then
@@ -37,11 +41,32 @@ struct ChunkWorkspace {
   __nv_bfloat16 *W, *Qt, *Kd, *U, *M;  // [num_chunks, HV, C, K|V|C]
   float* gC;                           // [num_chunks, HV, K]
   int64_t num_chunks;
+  int64_t num_seqs = 0;
+  bool raw_qk = false;  // Gated DeltaNet forward: see the note above (Qt, Kd unused)
+  // Pipelined forward (chunk_forward.cu): when piece_begin >= 0, chunk_prepare covers and
+  // chunk_state walks only the chunks [piece_begin, piece_end) of each sequence (indices within
+  // the sequence); otherwise every chunk.
+  int64_t piece_begin = -1, piece_end = 0;
   // Optional (backward only; null in the plain forward):
   __nv_bfloat16* X = nullptr;   // prepare: (I + L)^-1, [num_chunks, HV, C, C], zero above diag
   __nv_bfloat16* A = nullptr;   // prepare: decayed K K^T, strictly lower, [num_chunks, HV, C, C]
   __nv_bfloat16* S0 = nullptr;  // state: state entering each chunk, [num_chunks, HV, K, V]
   __nv_bfloat16* D = nullptr;   // state: D = U - W S0, [num_chunks, HV, C, V]
+};
+
+// A KDA layer's in-kernel options (fla's chunk_kda use_qk_l2norm_in_kernel, use_gate_in_kernel,
+// use_beta_sigmoid_in_kernel), applied by chunk_prepare (forward only): q, k rows L2-normalised,
+// g = lower_bound * sigmoid(exp(A_log) (graw + dt_bias)) or -exp(A_log) softplus(graw + dt_bias),
+// beta = sigmoid(braw). `on` false: the inputs are used as given.
+struct KdaLayerParams {
+  bool on = false;
+  bool l2norm_qk = false;
+  bool gate = false;           // g holds graw
+  bool gate_softplus = false;  // else the lower-bound sigmoid gate
+  bool beta_sigmoid = false;   // beta holds braw
+  float lower_bound = -5.f;
+  const float* A_log = nullptr;    // [HV]
+  const float* dt_bias = nullptr;  // [HV * K] or null (zero)
 };
 
 struct ChunkTokens {
@@ -51,6 +76,7 @@ struct ChunkTokens {
   float* ht;
   int H, HV;
   float scale;
+  KdaLayerParams layer;
 };
 
 // Backward-only buffers and outputs (token-major like the inputs).
@@ -69,6 +95,11 @@ void launch_chunk_prepare(const ChunkTokens& x, const ChunkWorkspace& ws, Gate g
                           cudaStream_t stream);
 void launch_chunk_state(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, int K,
                         int V, cudaStream_t stream);
+// chunk_state's grid: blocks of 8 warps (two 32-column tiles) when there are enough (sequence,
+// value head) pairs for about one per SM, else blocks of 4 warps (one tile).
+bool chunk_state_wide(int64_t num_seqs, int HV, int V);
+int64_t chunk_state_blocks(int64_t num_seqs, int HV, int V);
+int device_sm_count();  // of the current device (cached per device)
 void launch_chunk_state_bwd(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd,
                             int64_t num_seqs, int K, int V, cudaStream_t stream);
 void launch_chunk_bwd_local(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd,

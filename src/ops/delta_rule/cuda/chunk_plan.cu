@@ -79,6 +79,7 @@ ChunkPlan make_chunk_plan(const DeltaRuleShape& s, std::span<const int64_t> cu_s
   p.off_u = off, off = align_up(off + rows * s.V * 2);
   p.off_m = off, off = align_up(off + rows * kChunk * 2);
   p.off_gc = off, off = align_up(off + size_t(p.num_chunks) * s.HV * s.K * 4);
+  p.off_carry = off, off = align_up(off + size_t(p.num_seqs) * s.HV * s.K * s.V * 4);
   if (backward) {
     const size_t states = size_t(p.num_chunks) * size_t(s.HV) * s.K * s.V;
     p.off_x = off, off = align_up(off + rows * kChunk * 2);
@@ -119,6 +120,7 @@ ChunkWorkspace bind_chunk_workspace(const ChunkPlan& plan, void* workspace, cuda
   ws.M = bf(plan.off_m);
   ws.gC = reinterpret_cast<float*>(base + plan.off_gc);
   ws.num_chunks = NC;
+  ws.num_seqs = N;
   ws.X = bf(plan.off_x);
   ws.A = bf(plan.off_a);
   ws.S0 = bf(plan.off_s0);

@@ -9,7 +9,15 @@
 // first part (<= 1, per channel) applied to the left operand. Only diagonal blocks carry
 // factors above 1 (bounded by 15 tokens of decay). For scalar gates the decay is applied
 // after the product, exactly.
+//
+// LAYER (KDA only, forward only): a KDA layer's in-kernel options (KdaLayerParams): the gate
+// activation and sigmoid(beta) as they are loaded, and the q / k row norms from the loaded
+// tiles, folded into phase 2's scalings (one bf16 rounding, where fla rounds the normalised
+// q / k first).
+// Gated DeltaNet forward (ws.raw_qk): Qt and Kd are not written; gC gets G (chunk_state reads
+// q, k itself).
 #include <algorithm>
+#include <cmath>
 #include <type_traits>
 
 #include "ops/delta_rule/cuda/chunk_kernels.cuh"
@@ -53,7 +61,21 @@ struct PairMap {
   static_assert(kRows <= 16 && 16 % kRows == 0, "a segment stays inside one 16-row block");
 };
 
-template <Gate GATE, int K, int V>
+// The activated gate of fla's use_gate_in_kernel (natural log units), fp32 with the fast
+// exp / log / reciprocal (relative error ~1e-6, far below the bf16 rounding of everything else).
+__device__ __forceinline__ float fast_rcp(float x) {  // 1 / inf = 0
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float kda_gate_softplus(float a, float z) {
+  return -a * (z > 20.f ? z : __logf(1.f + __expf(z)));  // -a * torch's softplus
+}
+__device__ __forceinline__ float kda_gate_bounded(float lower_bound, float a, float z) {
+  return lower_bound * fast_rcp(1.f + __expf(-a * z));  // lower_bound * sigmoid(a z)
+}
+
+template <Gate GATE, int K, int V, bool LAYER>
 __global__ void __launch_bounds__(kThreads, 3)
     chunk_prepare_kernel(const ChunkTokens x, const ChunkWorkspace ws) {
   using L = PrepareLayout<GATE, K, V>;
@@ -75,8 +97,16 @@ __global__ void __launch_bounds__(kThreads, 3)
   float* sGa = sGs + C;
   float* sGl = sGa + 4 * K;
   float* sF = sGl + K;
+  float* sNorm = sL + 1024;  // LAYER: 1 / |q_i|, 1 / |k_i| (phases 1-2; L's region after)
+  static_assert(1024 + 2 * C <= C * LDL, "norms live in L's region");
+  static_assert(kThreads / (K / 2) * K <= 1024, "segment totals below the norms");
 
-  const int64_t chunk = blockIdx.x;
+  int64_t chunk = blockIdx.x;
+  if (ws.piece_begin >= 0) {  // pipelined: chunk piece_begin + x of sequence z
+    const int64_t n = blockIdx.z, rel = ws.piece_begin + blockIdx.x;
+    if (rel >= ws.seq_nchunks[n]) return;
+    chunk = ws.seq_chunk0[n] + rel;
+  }
   const int hv = blockIdx.y;
   const int h = hv / (x.HV / x.H);
   const int64_t tok0 = ws.chunk_tok0[chunk];
@@ -100,21 +130,62 @@ __global__ void __launch_bounds__(kThreads, 3)
     }
   }
   cp_async_commit();
-  if (tid < C) sBeta[tid] = tid < len ? to_f32(x.beta[size_t(tok0 + tid) * x.HV + hv]) : 0.f;
+  if (tid < C) {
+    float b = tid < len ? to_f32(x.beta[size_t(tok0 + tid) * x.HV + hv]) : 0.f;
+    if constexpr (LAYER)
+      if (x.layer.beta_sigmoid && tid < len) b = fast_rcp(1.f + __expf(-b));
+    sBeta[tid] = b;
+  }
 
   float* gC = ws.gC + (size_t(chunk) * x.HV + hv) * K;
   if constexpr (kChannel) {
     // G of this thread's channel pair and rows, in registers (rows past the end add 0)
     float g0[kRows], g1[kRows];
+    {
+      // all loads first (predicated, no branches around them), then the arithmetic
+      uint32_t raw[kRows];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int i = row0 + r;
-      float2 f = make_float2(0.f, 0.f);
-      if (i < len)
-        f = unpack_bf16(
-            *reinterpret_cast<const uint32_t*>(x.g + (size_t(tok0 + i) * x.HV + hv) * K + c0));
-      g0[r] = f.x * kLog2e;
-      g1[r] = f.y * kLog2e;
+      for (int r = 0; r < kRows; ++r) {
+        const int i = row0 + r;
+        raw[r] =
+            i < len
+                ? *reinterpret_cast<const uint32_t*>(x.g + (size_t(tok0 + i) * x.HV + hv) * K + c0)
+                : 0u;
+      }
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float2 f = unpack_bf16(raw[r]);
+        g0[r] = f.x;
+        g1[r] = f.y;
+      }
+      if constexpr (LAYER) {
+        if (x.layer.gate) {  // the activation; rows past the end stay 0
+          const float a = x.layer.A_log ? __expf(x.layer.A_log[hv]) : 1.f;
+          const float b0 = x.layer.dt_bias ? x.layer.dt_bias[size_t(hv) * K + c0] : 0.f;
+          const float b1 = x.layer.dt_bias ? x.layer.dt_bias[size_t(hv) * K + c0 + 1] : 0.f;
+          if (x.layer.gate_softplus) {
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) {
+              const bool live = row0 + r < len;
+              g0[r] = live ? kda_gate_softplus(a, g0[r] + b0) : 0.f;
+              g1[r] = live ? kda_gate_softplus(a, g1[r] + b1) : 0.f;
+            }
+          } else {
+            const float lb = x.layer.lower_bound;
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) {
+              const bool live = row0 + r < len;
+              g0[r] = live ? kda_gate_bounded(lb, a, g0[r] + b0) : 0.f;
+              g1[r] = live ? kda_gate_bounded(lb, a, g1[r] + b1) : 0.f;
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        g0[r] *= kLog2e;
+        g1[r] *= kLog2e;
+      }
     }
 #pragma unroll
     for (int r = 1; r < kRows; ++r) {
@@ -141,6 +212,25 @@ __global__ void __launch_bounds__(kThreads, 3)
     }
     cp_async_wait<0>();
     __syncthreads();
+    [[maybe_unused]] const bool l2norm = LAYER && x.layer.l2norm_qk;
+    if constexpr (LAYER) {
+      if (l2norm) {  // 1 / max(|row|, 1e-6) of the 64 q and 64 k rows: two threads a row
+        static_assert(kThreads == 4 * C, "two threads per row of q and of k");
+        const int rr = tid >> 1, half = tid & 1;
+        const bf16* row = (rr < C ? sQs : sKs) + (rr % C) * LDK + half * (K / 2);
+        float s2 = 0.f;
+#pragma unroll
+        for (int c = 0; c < K / 2; c += 8) {
+          float v8[8];
+          load8(row + c, v8);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) s2 += v8[e] * v8[e];
+        }
+        s2 += __shfl_xor_sync(0xffffffffu, s2, 1);
+        if (half == 0) sNorm[rr] = 1.f / fmaxf(sqrtf(s2), 1e-6f);
+        __syncthreads();
+      }
+    }
 
     // ---- phase 2: scaled operands (in place in smem) and Qt, Kd, exp(G_C) (workspace) ----
     const float2 gl = *reinterpret_cast<const float2*>(sGl + c0);
@@ -150,7 +240,13 @@ __global__ void __launch_bounds__(kThreads, 3)
       const float2 ga = *reinterpret_cast<const float2*>(sGa + (i >> 4) * K + c0);
       uint32_t* pq = reinterpret_cast<uint32_t*>(sQs + i * LDK + c0);
       uint32_t* pk = reinterpret_cast<uint32_t*>(sKs + i * LDK + c0);
-      const float2 q2 = unpack_bf16(*pq), k2 = unpack_bf16(*pk);
+      float2 q2 = unpack_bf16(*pq), k2 = unpack_bf16(*pk);
+      if constexpr (LAYER) {
+        if (l2norm) {
+          const float nq = sNorm[i], nk = sNorm[C + i];
+          q2.x *= nq, q2.y *= nq, k2.x *= nk, k2.y *= nk;
+        }
+      }
       const float rel0 = g0[r] - ga.x, rel1 = g1[r] - ga.y;
       const float es0 = fast_exp2(rel0), es1 = fast_exp2(rel1);
       *pq = pack_bf16(q2.x * es0, q2.y * es1);
@@ -192,19 +288,23 @@ __global__ void __launch_bounds__(kThreads, 3)
 
     // ---- phase 2: Qt, Kd, exp(G_C) (workspace); the smem operands stay as loaded ----
     const float last = sGs[len - 1];
+    if (ws.raw_qk) {  // Gated DeltaNet forward: chunk_state scales q, k itself; G for it
+      for (int c = tid; c < C; c += kThreads) gC[c] = sGs[c];
+    } else {
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int i = row0 + r;
-      const float eq = x.scale * fast_exp2(sGs[i]), ed = fast_exp2(last - sGs[i]);
-      const float2 q2 = unpack_bf16(*reinterpret_cast<const uint32_t*>(sQs + i * LDK + c0));
-      const float2 k2 = unpack_bf16(*reinterpret_cast<const uint32_t*>(sKs + i * LDK + c0));
-      *reinterpret_cast<uint32_t*>(ws.Qt + (row_base + i) * K + c0) =
-          pack_bf16(q2.x * eq, q2.y * eq);
-      *reinterpret_cast<uint32_t*>(ws.Kd + (row_base + i) * K + c0) =
-          pack_bf16(k2.x * ed, k2.y * ed);
+      for (int r = 0; r < kRows; ++r) {
+        const int i = row0 + r;
+        const float eq = x.scale * fast_exp2(sGs[i]), ed = fast_exp2(last - sGs[i]);
+        const float2 q2 = unpack_bf16(*reinterpret_cast<const uint32_t*>(sQs + i * LDK + c0));
+        const float2 k2 = unpack_bf16(*reinterpret_cast<const uint32_t*>(sKs + i * LDK + c0));
+        *reinterpret_cast<uint32_t*>(ws.Qt + (row_base + i) * K + c0) =
+            pack_bf16(q2.x * eq, q2.y * eq);
+        *reinterpret_cast<uint32_t*>(ws.Kd + (row_base + i) * K + c0) =
+            pack_bf16(k2.x * ed, k2.y * ed);
+      }
+      const float e_last = fast_exp2(last);
+      for (int c = tid; c < K; c += kThreads) gC[c] = e_last;
     }
-    const float e_last = fast_exp2(last);
-    for (int c = tid; c < K; c += kThreads) gC[c] = e_last;
   }
   __syncthreads();
 
@@ -425,38 +525,45 @@ __global__ void __launch_bounds__(kThreads, 3)
     lower_times(std::integral_constant<int, K>{}, sKs, LDK, true, ws.W);
 }
 
-template <Gate GATE, int K, int V>
+template <Gate GATE, int K, int V, bool LAYER>
 void launch(const ChunkTokens& x, const ChunkWorkspace& ws, cudaStream_t stream) {
   using L = PrepareLayout<GATE, K, V>;
   static const bool configured = [] {
-    check_cuda(cudaFuncSetAttribute(chunk_prepare_kernel<GATE, K, V>,
+    check_cuda(cudaFuncSetAttribute(chunk_prepare_kernel<GATE, K, V, LAYER>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::total)),
                "chunk_prepare shared memory limit");
     // all of the unified L1 as shared memory: three blocks per SM need 3 x 74 KB
-    check_cuda(cudaFuncSetAttribute(chunk_prepare_kernel<GATE, K, V>,
+    check_cuda(cudaFuncSetAttribute(chunk_prepare_kernel<GATE, K, V, LAYER>,
                                     cudaFuncAttributePreferredSharedMemoryCarveout,
                                     int(cudaSharedmemCarveoutMaxShared)),
                "chunk_prepare shared memory carveout");
     return true;
   }();
   (void)configured;
-  const dim3 grid(unsigned(ws.num_chunks), unsigned(x.HV));
-  chunk_prepare_kernel<GATE, K, V><<<grid, kThreads, L::total, stream>>>(x, ws);
+  // pipelined (ws.piece_begin >= 0): the piece's chunks of every sequence
+  const dim3 grid = ws.piece_begin >= 0 ? dim3(unsigned(ws.piece_end - ws.piece_begin),
+                                               unsigned(x.HV), unsigned(ws.num_seqs))
+                                        : dim3(unsigned(ws.num_chunks), unsigned(x.HV));
+  chunk_prepare_kernel<GATE, K, V, LAYER><<<grid, kThreads, L::total, stream>>>(x, ws);
   check_launch("chunk_prepare kernel");
 }
 
-template <Gate GATE>
+template <Gate GATE, bool LAYER = false>
 void launch_kv(const ChunkTokens& x, const ChunkWorkspace& ws, int K, int V, cudaStream_t stream) {
-  if (K == 128 && V == 128) return launch<GATE, 128, 128>(x, ws, stream);
-  if (K == 128 && V == 64) return launch<GATE, 128, 64>(x, ws, stream);
-  if (K == 64 && V == 128) return launch<GATE, 64, 128>(x, ws, stream);
-  return launch<GATE, 64, 64>(x, ws, stream);
+  if (K == 128 && V == 128) return launch<GATE, 128, 128, LAYER>(x, ws, stream);
+  if (K == 128 && V == 64) return launch<GATE, 128, 64, LAYER>(x, ws, stream);
+  if (K == 64 && V == 128) return launch<GATE, 64, 128, LAYER>(x, ws, stream);
+  return launch<GATE, 64, 64, LAYER>(x, ws, stream);
 }
 
 }  // namespace
 
 void launch_chunk_prepare(const ChunkTokens& x, const ChunkWorkspace& ws, Gate gate, int K, int V,
                           cudaStream_t stream) {
+  if (x.layer.on) {  // chunk_forward allows it for Gate::channel only
+    require(gate == Gate::channel, "chunk_prepare: KDA layer options need Gate::channel");
+    return launch_kv<Gate::channel, true>(x, ws, K, V, stream);
+  }
   switch (gate) {
     case Gate::channel:
       return launch_kv<Gate::channel>(x, ws, K, V, stream);

@@ -54,6 +54,7 @@ __global__ void __launch_bounds__(128 * NT, 2 / NT)
   const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, group = tid >> 7;
   const int gr = lane >> 2, tq = lane & 3;
   const int64_t chunk0 = ws.seq_chunk0[n], nchunks = ws.seq_nchunks[n];
+  const int64_t seq_bos = ws.seq_bos[n], seq_len = ws.seq_len[n];
   const int mrow0 = warp * (K / 4);
   const int col0 = vt * TW;   // first state column of the block
   const int cg = group * BV;  // this warp group's columns within the block's tiles
@@ -78,8 +79,10 @@ __global__ void __launch_bounds__(128 * NT, 2 / NT)
       const int i = idx / (C / 8), c = (idx % (C / 8)) * 8;
       cp_async16(sM + i * LDM + c, ws.M + (base + i) * C + c);
     }
-    const int64_t tok0 = ws.chunk_tok0[chunk];
-    const int len = int(ws.chunk_len[chunk]);
+    // first token and length as chunk_plan lays them out: computed, since a table load here
+    // would stall the chunk's chain for an L2 round trip
+    const int64_t tok0 = seq_bos + (chunk - chunk0) * C;
+    const int len = int(seq_len - (chunk - chunk0) * C < C ? seq_len - (chunk - chunk0) * C : C);
     bf16* o = sO + buf * C * LDS;
     for (int idx = tid; idx < C * TW / 8; idx += kThreads) {
       const int i = idx / (TW / 8), c = (idx % (TW / 8)) * 8;

@@ -16,10 +16,32 @@
 #include <span>
 
 #include "ops/delta_rule/delta_rule.h"
+#include "ops/kda/kda.h"
 
 namespace kda::ops::cuda {
 
 enum class ElementType { f32, bf16 };
+
+// A KDA layer's in-kernel options, as fla's chunk_kda(use_qk_l2norm_in_kernel,
+// use_gate_in_kernel, use_beta_sigmoid_in_kernel) and kda.h's KdaOptions apply them. Only the
+// bf16 chunk_forward with Gate::channel takes them (chunk_backward and the fp32 path refuse).
+//   l2norm_qk:      q, k rows <- x / max(|x|, 1e-6)
+//   gate_in_kernel: g holds graw; g <- lower_bound * sigmoid(exp(A_log) (graw + dt_bias))
+//                   (KdaGate::lower_bound, fla's safe_gate) or -exp(A_log) softplus(graw +
+//                   dt_bias) (KdaGate::softplus; the KDA gate precondition below must hold for
+//                   the activated gate). A_log [HV], dt_bias [HV * K]: fp32 device arrays; a
+//                   null A_log means exp(A_log) = 1, a null dt_bias zero.
+//   beta_sigmoid:   beta holds braw; beta <- sigmoid(braw)
+struct KdaLayerDeviceOptions {
+  bool l2norm_qk = false;
+  bool gate_in_kernel = false;
+  KdaGate gate = KdaGate::lower_bound;
+  float lower_bound = -5.f;
+  const float* A_log = nullptr;
+  const float* dt_bias = nullptr;
+  bool beta_sigmoid = false;
+  bool any() const { return l2norm_qk || gate_in_kernel || beta_sigmoid; }
+};
 
 struct DeltaRuleDeviceInputs {
   DeltaRuleShape shape;
@@ -33,6 +55,7 @@ struct DeltaRuleDeviceInputs {
   // HOST copy of the packed sequence boundaries (N + 1 entries, first 0, last T); empty means
   // B sequences of T tokens. The host always knows the lengths, so no device round trip.
   std::span<const int64_t> cu_seqlens = {};
+  KdaLayerDeviceOptions kda_layer = {};  // all off: the inputs are used as given
 };
 
 // Chunked forward (C = 64). bf16 inputs run the tensor-core path (bf16 products, fp32
@@ -44,6 +67,9 @@ struct DeltaRuleDeviceInputs {
 // fla's lower_bound = -5 always satisfy it; Gated DeltaNet and DeltaNet have no such limit.
 //
 // o [B, T, HV, V] (same element type as the inputs); ht [N, HV, K, V] fp32 or null.
+// For one or two long sequences (a state walk of at most one block per SM) the work is cut
+// into pieces of chunks and spread over two internal streams forked from and joined back to
+// `stream` (by events), so the call stays ordered on `stream` as a whole.
 // `workspace` must hold chunk_forward_workspace_bytes(...) bytes of device memory and must not
 // be used by other work on other streams while this call's work runs.
 size_t chunk_forward_workspace_bytes(const DeltaRuleShape& shape,
@@ -97,6 +123,12 @@ struct DecodeArgs {
   const int32_t* slots = nullptr;
   int64_t num_slots = 0;
   void* o = nullptr;
+  // Programmatic dependent launch (Hopper): the step's blocks may be scheduled while the
+  // previous kernel on the stream finishes; each waits for it (griddepcontrol.wait) before
+  // touching memory, so the results are the same. Hides the launch gap between back-to-back
+  // kernels; it pays only when the kernel before also lets dependents start early (another
+  // decode step does). Off by default.
+  bool overlap_launch = false;
 };
 void decode_step(const DecodeArgs& args, cudaStream_t stream);
 

@@ -7,7 +7,16 @@
 // independently, so tiles never talk to each other. Per token one reduction over K gives
 // k^T P, q^T P and q.k together (P = decayed state), from which the write and the output follow:
 //   d = beta (v - P^T k),   S = P + k d^T,   o = scale (P^T q + (q.k) d).
+//
+// The decode step (DECODE = true) caps registers at 64 so that 8 blocks share an SM (2048
+// tiles of a 16-sequence, 32-head step in 1.94 waves instead of 2.2), and may be launched with
+// programmatic dependent launch (DecodeArgs::overlap_launch): the block waits for the previous
+// kernel on the stream (griddepcontrol.wait) before its first memory access and lets the next
+// one be scheduled as soon as every block has started, which hides the launch gap between
+// back-to-back steps.
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -38,9 +47,16 @@ struct RecurrentParams {
   float scale;
 };
 
-template <class Tin, Gate GATE, int K>
-__global__ void __launch_bounds__(kThreads) recurrent_kernel(const RecurrentParams p) {
+template <class Tin, Gate GATE, int K, bool DECODE>
+__global__ void __launch_bounds__(kThreads, DECODE ? 8 : 1)
+    recurrent_kernel(const RecurrentParams p) {
   constexpr int R = K / 16;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (DECODE) {  // no-ops unless launched with programmatic stream serialization
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  }
+#endif
   const int tiles = p.V / kTile;
   const int vt = blockIdx.x % tiles;
   const int hv = blockIdx.x / tiles;
@@ -156,41 +172,70 @@ __global__ void __launch_bounds__(kThreads) recurrent_kernel(const RecurrentPara
   }
 }
 
-template <class Tin, Gate GATE>
-void launch_for_k(int K, dim3 grid, const RecurrentParams& p, cudaStream_t stream) {
-  if (K == 128)
-    recurrent_kernel<Tin, GATE, 128><<<grid, kThreads, 0, stream>>>(p);
-  else
-    recurrent_kernel<Tin, GATE, 64><<<grid, kThreads, 0, stream>>>(p);
+template <class Tin, Gate GATE, int K, bool DECODE>
+void launch_kernel(dim3 grid, const RecurrentParams& p, bool overlap, cudaStream_t stream) {
+  if (!overlap) {
+    recurrent_kernel<Tin, GATE, K, DECODE><<<grid, kThreads, 0, stream>>>(p);
+    return;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  check_cuda(cudaLaunchKernelEx(&cfg, recurrent_kernel<Tin, GATE, K, DECODE>, p),
+             "delta rule decode launch");
 }
 
-template <class Tin>
-void launch_for_gate(Gate gate, int K, dim3 grid, const RecurrentParams& p, cudaStream_t stream) {
+template <class Tin, Gate GATE, bool DECODE>
+void launch_for_k(int K, dim3 grid, const RecurrentParams& p, bool overlap, cudaStream_t stream) {
+  if (K == 128)
+    launch_kernel<Tin, GATE, 128, DECODE>(grid, p, overlap, stream);
+  else
+    launch_kernel<Tin, GATE, 64, DECODE>(grid, p, overlap, stream);
+}
+
+template <class Tin, bool DECODE>
+void launch_for_gate(Gate gate, int K, dim3 grid, const RecurrentParams& p, bool overlap,
+                     cudaStream_t stream) {
   switch (gate) {
     case Gate::channel:
-      launch_for_k<Tin, Gate::channel>(K, grid, p, stream);
+      launch_for_k<Tin, Gate::channel, DECODE>(K, grid, p, overlap, stream);
       break;
     case Gate::scalar:
-      launch_for_k<Tin, Gate::scalar>(K, grid, p, stream);
+      launch_for_k<Tin, Gate::scalar, DECODE>(K, grid, p, overlap, stream);
       break;
     case Gate::none:
-      launch_for_k<Tin, Gate::none>(K, grid, p, stream);
+      launch_for_k<Tin, Gate::none, DECODE>(K, grid, p, overlap, stream);
       break;
   }
 }
 
+// decode: the DECODE instantiation (64 registers), optionally with the overlapped launch
 void launch_recurrent(const DeltaRuleShape& s, ElementType dtype, int64_t num_seqs,
-                      const RecurrentParams& p, cudaStream_t stream) {
+                      const RecurrentParams& p, cudaStream_t stream, bool decode = false,
+                      bool overlap = false) {
   require(s.K == 64 || s.K == 128,
           "delta rule (cuda recurrent): K must be 64 or 128, got " + std::to_string(s.K));
   require(s.V % kTile == 0 && s.V >= kTile,
           "delta rule (cuda recurrent): V must be a multiple of 32, got " + std::to_string(s.V));
   require(num_seqs <= 65535, "delta rule (cuda recurrent): at most 65535 sequences per call");
   const dim3 grid(unsigned(s.HV * (s.V / kTile)), unsigned(num_seqs));
-  if (dtype == ElementType::bf16)
-    launch_for_gate<__nv_bfloat16>(s.gate, int(s.K), grid, p, stream);
-  else
-    launch_for_gate<float>(s.gate, int(s.K), grid, p, stream);
+  if (decode) {
+    if (dtype == ElementType::bf16)
+      launch_for_gate<__nv_bfloat16, true>(s.gate, int(s.K), grid, p, overlap, stream);
+    else
+      launch_for_gate<float, true>(s.gate, int(s.K), grid, p, overlap, stream);
+  } else {
+    if (dtype == ElementType::bf16)
+      launch_for_gate<__nv_bfloat16, false>(s.gate, int(s.K), grid, p, false, stream);
+    else
+      launch_for_gate<float, false>(s.gate, int(s.K), grid, p, false, stream);
+  }
   check_launch("delta rule recurrent kernel");
 }
 
@@ -211,6 +256,8 @@ void recurrent_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void
   const DeltaRuleShape& s = in.shape;
   s.validate();
   require_tokens(s, in.q, in.k, in.v, in.g, in.beta, o);
+  require(!in.kda_layer.any(),
+          "delta rule (cuda recurrent): KDA layer options need the bf16 chunked path");
   const SequenceLayout seqs(s.B, s.T, in.cu_seqlens);
   RecurrentParams p{
       in.q,    in.k,    in.v,    in.g, in.beta,  o,         in.h0,    ht,
@@ -242,7 +289,10 @@ void decode_step(const DecodeArgs& a, cudaStream_t stream) {
                           a.beta,   a.o,       a.state_pool, a.state_pool,
                           a.slots,  nullptr,   nullptr,      1,
                           int(s.H), int(s.HV), int(s.V),     float(s.effective_scale())};
-  launch_recurrent(s, a.dtype, s.B, p, stream);
+  bool overlap = a.overlap_launch;
+  // Kernel-lab knob: KDA_DECODE_OVERLAP=0|1 overrides DecodeArgs::overlap_launch (timing only).
+  if (const char* knob = std::getenv("KDA_DECODE_OVERLAP")) overlap = knob[0] == '1';
+  launch_recurrent(s, a.dtype, s.B, p, stream, true, overlap);
 }
 
 }  // namespace kda::ops::cuda
