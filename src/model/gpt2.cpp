@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "core/parallel.h"
+#include "model/gpt2_config.h"
 #include "ops/attention/attention.h"
 #include "ops/nn/nn.h"
 
@@ -18,84 +19,6 @@ namespace kda::model {
 namespace {
 
 using json = nlohmann::json;
-
-enum class Activation { gelu_tanh, gelu_erf, relu, silu };
-
-// The fields of transformers' GPT2Config that change the computation, with its defaults.
-struct Gpt2Config {
-  int64_t vocab = 0, positions = 0, embd = 0, heads = 0, layers = 0, inner = 0;
-  float eps = 1e-5f;
-  bool tied = true;
-  bool scale_attn_weights = true;
-  bool scale_by_inverse_layer = false;
-  std::string activation_name;
-  Activation activation = Activation::gelu_tanh;
-
-  int64_t head_dim() const { return embd / heads; }
-
-  static Gpt2Config from_json(const json& config) {
-    Gpt2Config c;
-    c.vocab = config_int_or(config, "vocab_size", 50257);
-    c.positions = config_int_or(config, "n_positions", 1024);
-    c.embd = config_int_or(config, "n_embd", 768);
-    c.heads = config_int_or(config, "n_head", 12);
-    c.layers = config_int_or(config, "n_layer", 12);
-    c.inner = config_int_or(config, "n_inner", 4 * c.embd);
-    c.eps = float(config_double_or(config, "layer_norm_epsilon", 1e-5));
-    c.tied = config_bool_or(config, "tie_word_embeddings", true);
-    c.scale_attn_weights = config_bool_or(config, "scale_attn_weights", true);
-    c.scale_by_inverse_layer = config_bool_or(config, "scale_attn_by_inverse_layer_idx", false);
-    c.activation_name = config_string_or(config, "activation_function", "gelu_new");
-    const auto positive = [](int64_t v, const char* key) {
-      require(v > 0, "config.json: field '" + std::string(key) + "' must be positive, got " +
-                         std::to_string(v));
-    };
-    positive(c.vocab, "vocab_size");
-    positive(c.positions, "n_positions");
-    positive(c.embd, "n_embd");
-    positive(c.heads, "n_head");
-    positive(c.layers, "n_layer");
-    positive(c.inner, "n_inner");
-    require(c.embd % c.heads == 0, "config.json: n_embd (" + std::to_string(c.embd) +
-                                       ") is not a multiple of n_head (" + std::to_string(c.heads) +
-                                       ")");
-    require(std::isfinite(c.eps) && c.eps > 0,
-            "config.json: field 'layer_norm_epsilon' must be positive");
-    require(!config_bool_or(config, "add_cross_attention", false),
-            "config.json: add_cross_attention = true (an encoder-decoder GPT-2) is not supported");
-    if (c.activation_name == "gelu_new" || c.activation_name == "gelu_pytorch_tanh" ||
-        c.activation_name == "gelu_fast") {
-      c.activation = Activation::gelu_tanh;
-    } else if (c.activation_name == "gelu") {
-      c.activation = Activation::gelu_erf;
-    } else if (c.activation_name == "relu") {
-      c.activation = Activation::relu;
-    } else if (c.activation_name == "silu" || c.activation_name == "swish") {
-      c.activation = Activation::silu;
-    } else {
-      throw Error("config.json: activation_function '" + c.activation_name +
-                  "' is not supported (gelu_new, gelu_pytorch_tanh, gelu, relu, silu)");
-    }
-    return c;
-  }
-
-  // 1/sqrt(head_dim) when scale_attn_weights, further divided by layer + 1 when
-  // scale_attn_by_inverse_layer_idx (as transformers' GPT2Attention).
-  double attention_scale(int64_t layer) const {
-    double scale = scale_attn_weights ? 1.0 / std::sqrt(double(head_dim())) : 1.0;
-    if (scale_by_inverse_layer) scale /= double(layer + 1);
-    return scale;
-  }
-
-  int64_t params_per_layer() const {
-    const int64_t E = embd, I = inner;
-    return 2 * E + (E * 3 * E + 3 * E) + (E * E + E) + 2 * E + (E * I + I) + (I * E + E);
-  }
-  int64_t total_params() const {
-    return vocab * embd + positions * embd + layers * params_per_layer() + 2 * embd +
-           (tied ? 0 : vocab * embd);
-  }
-};
 
 ArchitectureInfo describe(const Gpt2Config& c) {
   ArchitectureInfo info;
@@ -136,21 +59,21 @@ void layer_norm_rows(const float* x, int64_t rows, int64_t D, const Tensor& weig
   });
 }
 
-void activate_rows(Activation act, float* h, int64_t rows, int64_t width) {
+void activate_rows(Gpt2Activation act, float* h, int64_t rows, int64_t width) {
   for_row_blocks(rows, 20.0 * double(width), [&](int64_t first, int64_t end) {
     float* p = h + first * width;
     const int64_t n = (end - first) * width;
     switch (act) {
-      case Activation::gelu_tanh:
+      case Gpt2Activation::gelu_tanh:
         ops::gelu_tanh(p, n);
         break;
-      case Activation::gelu_erf:
+      case Gpt2Activation::gelu_erf:
         for (int64_t i = 0; i < n; ++i) p[i] = 0.5f * p[i] * (1.0f + std::erf(p[i] * M_SQRT1_2f));
         break;
-      case Activation::relu:
+      case Gpt2Activation::relu:
         for (int64_t i = 0; i < n; ++i) p[i] = std::max(p[i], 0.0f);
         break;
-      case Activation::silu:
+      case Gpt2Activation::silu:
         ops::silu(p, n);
         break;
     }
@@ -352,7 +275,8 @@ Tensor Gpt2Model::run(std::span<const int32_t> ids, int64_t past, std::vector<op
   for (int64_t l = 0; l < config_.layers; ++l) {
     const Gpt2Layer& layer = layers_[size_t(l)];
     // Attention: x += c_proj(attention(split(c_attn(ln_1(x)))))
-    layer_norm_rows(x.data(), T, E, layer.ln1_weight, layer.ln1_bias, config_.eps, normed.data());
+    layer_norm_rows(x.data(), T, E, layer.ln1_weight, layer.ln1_bias, float(config_.eps),
+                    normed.data());
     project(normed.data(), T, E, layer.qkv_weight, &layer.qkv_bias, false, qkv.data());
     for (int64_t t = 0; t < T; ++t) {
       const float* row = qkv.data() + t * 3 * E;
@@ -378,15 +302,16 @@ Tensor Gpt2Model::run(std::span<const int32_t> ids, int64_t past, std::vector<op
     project(o.data(), T, E, layer.out_weight, &layer.out_bias, true, x.data());
 
     // MLP: x += c_proj(act(c_fc(ln_2(x))))
-    layer_norm_rows(x.data(), T, E, layer.ln2_weight, layer.ln2_bias, config_.eps, normed.data());
+    layer_norm_rows(x.data(), T, E, layer.ln2_weight, layer.ln2_bias, float(config_.eps),
+                    normed.data());
     project(normed.data(), T, E, layer.fc_weight, &layer.fc_bias, false, hidden.data());
     activate_rows(config_.activation, hidden.data(), T, I);
     project(hidden.data(), T, I, layer.down_weight, &layer.down_bias, true, x.data());
   }
 
   const int64_t first = last_only ? T - 1 : 0, rows = T - first;
-  layer_norm_rows(x.data() + first * E, rows, E, final_norm_weight_, final_norm_bias_, config_.eps,
-                  normed.data());
+  layer_norm_rows(x.data() + first * E, rows, E, final_norm_weight_, final_norm_bias_,
+                  float(config_.eps), normed.data());
   Tensor logits(DType::f32, {rows, config_.vocab});
   const Tensor& head = config_.tied ? token_embedding_ : lm_head_;
   project(normed.data(), rows, E, head, nullptr, false, logits.f32());

@@ -17,10 +17,7 @@ namespace kda::train {
 namespace {
 
 using json = nlohmann::json;
-using model::config_bool_or;
-using model::config_double_or;
-using model::config_int_or;
-using model::config_string_or;
+using model::Gpt2Activation;
 
 // Blocks of rows for parallel_for, so that tiny jobs stay on the calling thread.
 template <class Body>
@@ -157,66 +154,16 @@ void activation_backward(Gpt2Activation act, const float* x, int64_t rows, int64
   });
 }
 
-}  // namespace
-
-double Gpt2TrainConfig::attention_scale(int64_t layer) const {
-  double scale = scale_attn_weights ? 1.0 / std::sqrt(double(head_dim())) : 1.0;
-  if (scale_by_inverse_layer) scale /= double(layer + 1);
-  return scale;
-}
-
-Gpt2TrainConfig Gpt2TrainConfig::from_json(const json& config) {
-  Gpt2TrainConfig c;
-  const std::string type = config_string_or(config, "model_type", "gpt2");
-  require(type == "gpt2", "config.json: model_type '" + type + "' is not gpt2");
-  c.vocab = config_int_or(config, "vocab_size", 50257);
-  c.positions = config_int_or(config, "n_positions", 1024);
-  c.embd = config_int_or(config, "n_embd", 768);
-  c.heads = config_int_or(config, "n_head", 12);
-  c.layers = config_int_or(config, "n_layer", 12);
-  c.inner = config_int_or(config, "n_inner", 4 * c.embd);
-  c.eps = config_double_or(config, "layer_norm_epsilon", 1e-5);
-  c.initializer_range = config_double_or(config, "initializer_range", 0.02);
-  c.scale_attn_weights = config_bool_or(config, "scale_attn_weights", true);
-  c.scale_by_inverse_layer = config_bool_or(config, "scale_attn_by_inverse_layer_idx", false);
-  c.activation_name = config_string_or(config, "activation_function", "gelu_new");
-  const auto positive = [](int64_t v, const char* key) {
-    require(v > 0, "config.json: field '" + std::string(key) + "' must be positive, got " +
-                       std::to_string(v));
-  };
-  positive(c.vocab, "vocab_size");
-  positive(c.positions, "n_positions");
-  positive(c.embd, "n_embd");
-  positive(c.heads, "n_head");
-  positive(c.layers, "n_layer");
-  positive(c.inner, "n_inner");
-  require(c.embd % c.heads == 0, "config.json: n_embd (" + std::to_string(c.embd) +
-                                     ") is not a multiple of n_head (" + std::to_string(c.heads) +
-                                     ")");
-  require(std::isfinite(c.eps) && c.eps > 0,
-          "config.json: field 'layer_norm_epsilon' must be positive");
-  require(std::isfinite(c.initializer_range) && c.initializer_range >= 0,
-          "config.json: field 'initializer_range' must be >= 0");
-  require(!config_bool_or(config, "add_cross_attention", false),
-          "config.json: add_cross_attention = true (an encoder-decoder GPT-2) is not supported");
-  require(config_bool_or(config, "tie_word_embeddings", true),
+// transformers' GPT-2 config, plus the one rule of training: the head must be tied.
+model::Gpt2Config training_config(const json& config_json) {
+  model::Gpt2Config c = model::Gpt2Config::from_json(config_json);
+  require(c.tied,
           "gpt2 training: tie_word_embeddings = false (a separate lm_head.weight) is not "
           "supported; only the tied head of GPT2LMHeadModel is");
-  if (c.activation_name == "gelu_new" || c.activation_name == "gelu_pytorch_tanh" ||
-      c.activation_name == "gelu_fast") {
-    c.activation = Gpt2Activation::gelu_tanh;
-  } else if (c.activation_name == "gelu") {
-    c.activation = Gpt2Activation::gelu_erf;
-  } else if (c.activation_name == "relu") {
-    c.activation = Gpt2Activation::relu;
-  } else if (c.activation_name == "silu" || c.activation_name == "swish") {
-    c.activation = Gpt2Activation::silu;
-  } else {
-    throw Error("config.json: activation_function '" + c.activation_name +
-                "' is not supported (gelu_new, gelu_pytorch_tanh, gelu_fast, gelu, relu, silu)");
-  }
   return c;
 }
+
+}  // namespace
 
 struct Gpt2Trainable::Layer {
   Param *ln1_w, *ln1_b, *attn_w, *attn_b, *attn_proj_w, *attn_proj_b;
@@ -237,7 +184,7 @@ Param* Gpt2Trainable::add(const std::string& name, Shape shape) {
 }
 
 Gpt2Trainable::Gpt2Trainable(const json& config_json, const std::string& prefix)
-    : config_(Gpt2TrainConfig::from_json(config_json)), config_json_(config_json) {
+    : config_(training_config(config_json)), config_json_(config_json) {
   const int64_t V = config_.vocab, P = config_.positions, E = config_.embd, I = config_.inner;
   wte_ = add(prefix + "wte.weight", {V, E});
   wpe_ = add(prefix + "wpe.weight", {P, E});
@@ -266,7 +213,7 @@ Gpt2Trainable::~Gpt2Trainable() = default;
 
 std::unique_ptr<Gpt2Trainable> Gpt2Trainable::from_config(const json& config, uint64_t seed) {
   std::unique_ptr<Gpt2Trainable> m(new Gpt2Trainable(config, "transformer."));
-  const Gpt2TrainConfig& c = m->config_;
+  const model::Gpt2Config& c = m->config_;
   Random rng(seed);
   const float sd = float(c.initializer_range);
   const float proj_sd = float(c.initializer_range / std::sqrt(2.0 * double(c.layers)));
@@ -345,24 +292,12 @@ StepResult Gpt2Trainable::forward_backward(const int32_t* inputs, const int32_t*
   const int64_t V = config_.vocab, E = config_.embd, I = config_.inner, H = config_.heads,
                 D = config_.head_dim(), rows = B * T;
   require(B >= 1 && T >= 1, "gpt2: B and T must be >= 1");
-  if (!cu_seqlens.empty()) {
-    require(cu_seqlens.size() >= 2 && cu_seqlens.front() == 0 && cu_seqlens.back() == rows,
-            "gpt2: cu_seqlens must start at 0 and end at B * T");
-    for (size_t i = 1; i < cu_seqlens.size(); ++i)
-      require(cu_seqlens[i] > cu_seqlens[i - 1], "gpt2: cu_seqlens must increase strictly");
-    for (int64_t r = 1; r < B; ++r)
-      require(std::binary_search(cu_seqlens.begin(), cu_seqlens.end(), r * T),
-              "gpt2: cu_seqlens must hold every row start r * T");
-  }
+  // without cu_seqlens every row is one document: positions restart at each row start
+  const std::vector<int64_t> segments = document_segments(cu_seqlens, B, T, "gpt2");
   cu_seqlens_.assign(cu_seqlens.begin(), cu_seqlens.end());
   positions_.resize(rows);
-  if (cu_seqlens_.empty()) {
-    for (int64_t r = 0; r < rows; ++r) positions_[r] = r % T;
-  } else {
-    for (size_t n = 0; n + 1 < cu_seqlens_.size(); ++n)
-      for (int64_t r = cu_seqlens_[n]; r < cu_seqlens_[n + 1]; ++r)
-        positions_[r] = r - cu_seqlens_[n];
-  }
+  for (size_t n = 0; n + 1 < segments.size(); ++n)
+    for (int64_t r = segments[n]; r < segments[n + 1]; ++r) positions_[r] = r - segments[n];
   for (int64_t r = 0; r < rows; ++r) {
     require(inputs[r] >= 0 && inputs[r] < V, "gpt2: token id " + std::to_string(inputs[r]) +
                                                  " is outside the vocabulary [0, " +

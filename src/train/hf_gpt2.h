@@ -13,30 +13,10 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "model/gpt2_config.h"
 #include "train/trainable_model.h"
 
 namespace kda::train {
-
-enum class Gpt2Activation { gelu_tanh, gelu_erf, relu, silu };
-
-// The fields of transformers' GPT2Config that change the computation, with its defaults.
-struct Gpt2TrainConfig {
-  int64_t vocab = 50257, positions = 1024, embd = 768, heads = 12, layers = 12, inner = 3072;
-  double eps = 1e-5;  // double so that config() writes back the value it read
-  double initializer_range = 0.02;
-  bool scale_attn_weights = true;
-  bool scale_by_inverse_layer = false;
-  std::string activation_name = "gelu_new";
-  Gpt2Activation activation = Gpt2Activation::gelu_tanh;
-
-  int64_t head_dim() const { return embd / heads; }
-  // 1/sqrt(head_dim) when scale_attn_weights, further divided by layer + 1 when
-  // scale_attn_by_inverse_layer_idx (as transformers' GPT2Attention).
-  double attention_scale(int64_t layer) const;
-  // Throws kda::Error naming the field on anything unsupported (untied head, cross-attention,
-  // an unknown activation) or out of range.
-  static Gpt2TrainConfig from_json(const nlohmann::json& config);
-};
 
 class Gpt2Trainable final : public TrainableModel {
  public:
@@ -48,7 +28,7 @@ class Gpt2Trainable final : public TrainableModel {
   static std::unique_ptr<Gpt2Trainable> from_config(const nlohmann::json& config, uint64_t seed);
   ~Gpt2Trainable() override;
 
-  const Gpt2TrainConfig& settings() const { return config_; }
+  const model::Gpt2Config& settings() const { return config_; }
   // The config.json to save next to the weights (model_type gpt2, fp32).
   nlohmann::json config() const;
   std::vector<Param*> params() override;
@@ -63,7 +43,7 @@ class Gpt2Trainable final : public TrainableModel {
   Gpt2Trainable(const nlohmann::json& config_json, const std::string& prefix);
   Param* add(const std::string& name, Shape shape);
 
-  Gpt2TrainConfig config_;
+  model::Gpt2Config config_;
   nlohmann::json config_json_;
   std::vector<std::unique_ptr<Param>> params_;
   std::vector<std::unique_ptr<Layer>> layers_;

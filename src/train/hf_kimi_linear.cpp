@@ -227,20 +227,7 @@ StepResult KimiLinearTrainable::forward_backward(const int32_t* inputs, const in
   const int64_t D = c_.hidden_size, V = c_.vocab_size, N = B * T;
   const float eps = float(c_.rms_norm_eps);
   require(B >= 1 && T >= 1, "kimi_linear training: B and T must be >= 1");
-  std::vector<int64_t> segments;
-  if (cu_seqlens.empty()) {
-    for (int64_t r = 0; r <= B; ++r) segments.push_back(r * T);
-  } else {
-    require(cu_seqlens.size() >= 2 && cu_seqlens.front() == 0 && cu_seqlens.back() == N,
-            "kimi_linear training: cu_seqlens must start at 0 and end at B * T");
-    for (size_t i = 1; i < cu_seqlens.size(); ++i)
-      require(cu_seqlens[i] > cu_seqlens[i - 1],
-              "kimi_linear training: cu_seqlens must increase strictly");
-    for (int64_t r = 1; r < B; ++r)
-      require(std::binary_search(cu_seqlens.begin(), cu_seqlens.end(), r * T),
-              "kimi_linear training: cu_seqlens must hold every row start r * T");
-    segments.assign(cu_seqlens.begin(), cu_seqlens.end());
-  }
+  const std::vector<int64_t> segments = document_segments(cu_seqlens, B, T, "kimi_linear training");
   std::vector<float> h(size_t(N * D)), tmp(size_t(N * D));
   for (int64_t r = 0; r < N; ++r) {
     require(inputs[r] >= 0 && inputs[r] < V, "kimi_linear training: token id " +

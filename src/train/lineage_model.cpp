@@ -175,19 +175,7 @@ StepResult LineageModel::forward_backward(const int32_t* inputs, const int32_t* 
                                           std::span<const int64_t> cu_seqlens) {
   const int64_t d = config_.width, rows = B * T, V = config_.vocab, F = config_.mlp_hidden;
   require(B >= 1 && T >= 1, "lineage model: B and T must be >= 1");
-  if (!cu_seqlens.empty()) {
-    require(cu_seqlens.size() >= 2 && cu_seqlens.front() == 0 && cu_seqlens.back() == rows,
-            "lineage model: cu_seqlens must start at 0 and end at B * T");
-    for (size_t i = 1; i < cu_seqlens.size(); ++i)
-      require(cu_seqlens[i] > cu_seqlens[i - 1],
-              "lineage model: cu_seqlens must increase strictly");
-    for (int64_t r = 1; r < B; ++r)
-      require(std::binary_search(cu_seqlens.begin(), cu_seqlens.end(), r * T),
-              "lineage model: cu_seqlens must hold every row start r * T");
-  }
-  std::vector<int64_t> segments(cu_seqlens.begin(), cu_seqlens.end());
-  if (segments.empty())
-    for (int64_t r = 0; r <= B; ++r) segments.push_back(r * T);
+  const std::vector<int64_t> segments = document_segments(cu_seqlens, B, T, "lineage model");
   const float eps = config_.norm_eps;
   std::vector<float> h(rows * d), tmp(rows * d);
   for (int64_t r = 0; r < rows; ++r) {

@@ -42,4 +42,10 @@ class TrainableModel {
   virtual void after_optimizer_step() {}
 };
 
+// The document boundaries of a [B, T] batch: cu_seqlens itself after checking the rules above
+// (throws kda::Error "<who>: cu_seqlens must ..."), or the row starts 0, T, ..., B * T when it is
+// empty (every row one document).
+std::vector<int64_t> document_segments(std::span<const int64_t> cu_seqlens, int64_t B, int64_t T,
+                                       const std::string& who);
+
 }  // namespace kda::train
