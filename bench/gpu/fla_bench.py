@@ -2,7 +2,9 @@
 """Time fla's Triton kernels on the shapes kda_gpu_check benchmarks, then print the
 side-by-side table (shape, ours ms, fla ms, ratio, % of floor).
 
-    python3 bench/gpu/fla_bench.py --ours kda_gpu_bench.tsv [--out table.md]
+    python3 bench/gpu/fla_bench.py --ours kda_gpu_bench.tsv [--out table.md] [--only-kda]
+
+--only-kda: the KDA chunked rows alone (no GDN, no decode; kda_gpu_check's KDA_BENCH_ONLY=kda).
 
 fla is imported from PYTHONPATH (scripts/gpu_run.sh points it at gpu_carry/ when present).
 If fla cannot be imported, only our numbers are printed, and the script says so.
@@ -13,7 +15,8 @@ chunk_gated_delta_rule with the layer options off (gates and betas given, no in-
 o and the final state back-propagated from random do, dht (as kda_gpu_check does).
 chunk_fwd_kda_layer: chunk_kda with the KDA layer's in-kernel options (use_qk_l2norm_in_kernel,
 use_gate_in_kernel with A_log, dt_bias, safe_gate and lower_bound = -5,
-use_beta_sigmoid_in_kernel) on raw q, k, gate and beta logits.
+use_beta_sigmoid_in_kernel) on raw q, k, gate and beta logits; chunk_fwdbwd_kda_layer: the same
+through autograd, gradients to q, k, v, g, beta, A_log and dt_bias (fp32 leaves).
 """
 import argparse
 import signal
@@ -44,7 +47,7 @@ def _on_term(signum, frame):  # `timeout` sends SIGTERM: keep what was measured 
     raise OutOfTime()
 
 
-def time_fla(results):
+def time_fla(results, only_kda=False):
     import torch
     import torch.nn.functional as F
     import triton
@@ -90,6 +93,31 @@ def time_fla(results):
         del q, k, v, beta, g, do, dht, leaves
         torch.cuda.empty_cache()
 
+    def fwd_bwd_layer(B, T):  # the KDA layer's in-kernel options, as chunk_fwd_kda_layer
+        key = f"{B}x{T}"
+        qr = torch.randn(B, T, H, K, device=dev, dtype=bf).requires_grad_()
+        kr = torch.randn(B, T, H, K, device=dev, dtype=bf).requires_grad_()
+        v = torch.randn(B, T, H, V, device=dev, dtype=bf).requires_grad_()
+        graw = torch.randn(B, T, H, K, device=dev, dtype=bf).requires_grad_()
+        braw = torch.randn(B, T, H, device=dev, dtype=bf).requires_grad_()
+        A_log = torch.zeros(H, device=dev, dtype=torch.float32).requires_grad_()
+        dt_bias = (torch.rand(H * K, device=dev, dtype=torch.float32) - 0.5).requires_grad_()
+        do = torch.randn(B, T, H, V, device=dev, dtype=bf)
+        dht = torch.randn(B, H, K, V, device=dev, dtype=torch.float32) * 0.1
+        leaves = [qr, kr, v, graw, braw, A_log, dt_bias]
+
+        def step():
+            o, ht = chunk_kda(qr, kr, v, graw, braw, A_log=A_log, dt_bias=dt_bias,
+                              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                              use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+                              output_final_state=True)
+            torch.autograd.backward((o, ht), (do, dht))
+        name = "chunk_fwdbwd_kda_layer"
+        results[(name, key)] = bench(step, grad_to_none=leaves, warmup=25, rep=150)
+        print(f"fla fwd+bwd kda layer {key}: {fmt(results[(name, key)])} ms", flush=True)
+        del qr, kr, v, graw, braw, A_log, dt_bias, do, dht, leaves
+        torch.cuda.empty_cache()
+
     torch.manual_seed(0)
     with torch.inference_mode():
         for B, T in CHUNK_SHAPES:
@@ -118,16 +146,23 @@ def time_fla(results):
             print(f"fla chunk {key}: kda layer options "
                   f"{fmt(results[('chunk_fwd_kda_layer', key)])} ms", flush=True)
             del gk, qr, kr, graw, braw
-            results[("chunk_fwd_gdn", key)] = bench(
-                lambda: chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True))
-            print(f"fla chunk {key}: kda {fmt(results[('chunk_fwd_kda', key)])} ms, "
-                  f"gdn {fmt(results[('chunk_fwd_gdn', key)])} ms", flush=True)
+            if not only_kda:
+                results[("chunk_fwd_gdn", key)] = bench(
+                    lambda: chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True))
+            gdn = "skipped" if only_kda else fmt(results[("chunk_fwd_gdn", key)])
+            print(f"fla chunk {key}: kda {fmt(results[('chunk_fwd_kda', key)])} ms, gdn {gdn} ms",
+                  flush=True)
             del q, k, v, beta, g
             torch.cuda.empty_cache()
 
-    # forward + backward through autograd: KDA first (the target), GDN after decode
+    # forward + backward through autograd: KDA first (the target; with the layer's options,
+    # then plain), GDN after decode
+    for B, T in CHUNK_SHAPES:
+        fwd_bwd_layer(B, T)
     for B, T in CHUNK_SHAPES:
         fwd_bwd("kda", B, T)
+    if only_kda:
+        return results
 
     with torch.inference_mode():
         slots_n = 1024
@@ -165,12 +200,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ours", required=True)
     ap.add_argument("--out")
+    ap.add_argument("--only-kda", action="store_true")
     args = ap.parse_args()
     ours, ceilings = read_ours(args.ours)
     signal.signal(signal.SIGTERM, _on_term)
     fla = {}
     try:
-        time_fla(fla)
+        time_fla(fla, args.only_kda)
         fla_note = "fla timed in this run"
     except OutOfTime:
         fla_note = "fla timed in this run (cut short by the time limit)"

@@ -1,8 +1,9 @@
 // Host side of the chunked backward: plans the workspace (forward arrays, then X, A, S0, dS, D,
 // dD and the grouped-head partials) and queues
 //   chunk_prepare + chunk_state (forward again, writing X, A, S0, D; no o, no ht),
-//   chunk_state_bwd (dS, dD, dh0), chunk_bwd_local (dq, dk, dv, dg, dbeta),
-//   and, for grouped value heads, the sum of the per-value-head dq / dk.
+//   chunk_state_bwd (dS, dD, dh0), chunk_bwd_local (dq, dk, dv, dg, dbeta; with a KDA layer's
+//   gate also dA_log, ddt_bias),
+//   and, for grouped value heads or the layer's l2norm, finish_qk_grads (dq / dk per q / k head).
 #include <cuda_runtime.h>
 
 #include <cstdlib>
@@ -31,9 +32,7 @@ void chunk_backward(const DeltaRuleDeviceInputs& in, const void* d_o, const floa
   const DeltaRuleShape& s = in.shape;
   s.validate();
   require(in.dtype == ElementType::bf16, "delta rule (cuda backward): bf16 inputs only");
-  require(!in.kda_layer.any(),
-          "delta rule (cuda backward): KDA layer options are forward-only (apply the "
-          "activations outside and pass the activated inputs)");
+  const KdaLayerParams layer = kda_layer_params(in, "delta rule (cuda backward)");
   require(s.K == s.V && (s.K == 64 || s.K == 128),
           "delta rule (cuda backward): supports K = V in {64, 128}, got K=" + std::to_string(s.K) +
               " V=" + std::to_string(s.V));
@@ -65,6 +64,7 @@ void chunk_backward(const DeltaRuleDeviceInputs& in, const void* d_o, const floa
   x.H = int(s.H);
   x.HV = int(s.HV);
   x.scale = float(s.effective_scale());
+  x.layer = layer;  // the recompute and chunk_bwd_local activate as the forward did
 
   ChunkGrads gd{};
   gd.dO = static_cast<const __nv_bfloat16*>(d_o);
@@ -79,6 +79,8 @@ void chunk_backward(const DeltaRuleDeviceInputs& in, const void* d_o, const floa
   gd.dv = static_cast<__nv_bfloat16*>(grads.dv);
   gd.dg = static_cast<__nv_bfloat16*>(grads.dg);
   gd.dbeta = static_cast<__nv_bfloat16*>(grads.dbeta);
+  gd.dA_log = layer.gate ? grads.dA_log : nullptr;
+  gd.ddt_bias = layer.gate ? grads.ddt_bias : nullptr;
 
   const int K = int(s.K), V = int(s.V);
   // Kernel-lab knob: KDA_BWD_STAGES=recompute|state|local runs one stage alone (for timing only;
@@ -91,8 +93,14 @@ void chunk_backward(const DeltaRuleDeviceInputs& in, const void* d_o, const floa
   }
   if (run("state")) launch_chunk_state_bwd(x, ws, gd, plan.num_seqs, K, V, stream);
   if (run("local")) {
+    // chunk_bwd_local adds its blocks' terms into these
+    if (gd.dA_log)
+      check_cuda(cudaMemsetAsync(gd.dA_log, 0, size_t(s.HV) * sizeof(float), stream), "dA_log");
+    if (gd.ddt_bias)
+      check_cuda(cudaMemsetAsync(gd.ddt_bias, 0, size_t(s.HV) * K * sizeof(float), stream),
+                 "ddt_bias");
     launch_chunk_bwd_local(x, ws, gd, s.gate, K, V, stream);
-    if (gd.dq_part) launch_sum_group_grads(gd, plan.tokens, int(s.H), int(s.HV), K, stream);
+    launch_finish_qk_grads(x, gd, plan.tokens, K, stream);
   }
 }
 

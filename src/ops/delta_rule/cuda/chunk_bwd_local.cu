@@ -16,9 +16,16 @@
 // KDA's pairwise decays use chunk_prepare's anchors (first row of each 16-row block): the
 // operands carry factors <= 1 or bounded by 15 tokens of decay. Scalar gates fold the decay
 // into dAqk / dAkk. Products on bf16 tensor cores with fp32 accumulation; G, dq, dk, dG fp32.
+//
+// A KDA layer's options (x.layer, runtime flags): the q / k rows are L2-normalised in shared
+// memory once loaded, g and beta activated as loaded (kda_layer_math.cuh, as chunk_prepare), so
+// dq, dk are the normalised rows' gradients (finish_qk_grads maps them to the raw rows'); dg is
+// mapped to dgraw as it is written (graw kept in an extra bf16 tile), with ddt_bias and dA_log
+// summed by fp32 atomics (one per channel and one per warp per block); dbeta to dbraw.
 
 #include "ops/delta_rule/cuda/chunk_kernels.cuh"
 #include "ops/delta_rule/cuda/device_common.cuh"
+#include "ops/delta_rule/cuda/kda_layer_math.cuh"
 
 namespace kda::ops::cuda_detail {
 namespace {
@@ -52,6 +59,8 @@ struct LocalLayout {
   static constexpr size_t off_small = off_big + bytes_big;
   // small: beta[C], dbeta[C], dGC[K], F[6][K]
   static constexpr size_t total = off_small + (2 * C + 7 * K) * 4;
+  // KDA layer gate only: graw (bf16, C x K) for dg -> dgraw at the end
+  static constexpr size_t off_graw = total, total_layer = total + size_t(C) * K * 2;
 };
 
 // mma accumulator element e of n-tile nt: row 16 * m_blk + gr (+8 for e >= 2), column
@@ -107,6 +116,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* sdBeta = sBeta + C;
   float* sdGC = sdBeta + C;
   float* sF = sdGC + K;
+  bf16* sGraw = reinterpret_cast<bf16*>(smem + L::off_graw);  // KDA layer gate only
+  const bool layer_gate = kChannel && x.layer.gate;
 
   const int64_t chunk = blockIdx.x;
   const int hv = blockIdx.y;
@@ -156,18 +167,40 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // gate cumulative sums in log2 units (as chunk_prepare); rows past the end repeat the last
   if (tid < C) {
-    sBeta[tid] = tid < len ? to_f32(x.beta[size_t(tok0 + tid) * x.HV + hv]) : 0.f;
+    float b = tid < len ? to_f32(x.beta[size_t(tok0 + tid) * x.HV + hv]) : 0.f;
+    if (x.layer.beta_sigmoid && tid < len) b = kda_beta_sigmoid(b);
+    sBeta[tid] = b;
     sdBeta[tid] = 0.f;
   }
   for (int c = tid; c < K; c += kThreads) sdGC[c] = 0.f;
   if constexpr (kChannel) {
     constexpr int kSegs = kThreads / K, kRows = C / kSegs;
     const int c = tid % K, seg = tid / K;
+    float gv[kRows];  // all loads first (predicated), then the arithmetic
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int i = seg * kRows + r;
+      gv[r] = i < len ? to_f32(x.g[(size_t(tok0 + i) * x.HV + hv) * K + c]) : 0.f;
+    }
+    if (layer_gate) {  // g holds graw: keep it (exact in bf16), activate; rows past the end 0
+      const float a = x.layer.A_log ? __expf(x.layer.A_log[hv]) : 1.f;
+      const float bias = x.layer.dt_bias ? x.layer.dt_bias[size_t(hv) * K + c] : 0.f;
+      const float lb = x.layer.lower_bound;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int i = seg * kRows + r;
+        sGraw[i * K + c] = __float2bfloat16_rn(gv[r]);
+        const float z = gv[r] + bias;
+        const float act =
+            x.layer.gate_softplus ? kda_gate_softplus(a, z) : kda_gate_bounded(lb, a, z);
+        gv[r] = i < len ? act : 0.f;
+      }
+    }
     float run = 0.f;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int i = seg * kRows + r;
-      run += i < len ? to_f32(x.g[(size_t(tok0 + i) * x.HV + hv) * K + c]) * kLog2e : 0.f;
+      run += gv[r] * kLog2e;
       sG[i * LDG + c] = run;
     }
     __syncthreads();
@@ -197,6 +230,31 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   cp_async_wait<0>();
   __syncthreads();
+  if (x.layer.l2norm_qk) {
+    // q, k rows <- row / max(|row|, 1e-6) in place: two threads a row (64 of q, 64 of k)
+    static_assert(kThreads == 4 * C, "two threads per row of q and of k");
+    const int rr = tid >> 1, half = tid & 1;
+    bf16* row = (rr < C ? sq : sk) + (rr % C) * LDK + half * (K / 2);
+    float s2 = 0.f;
+#pragma unroll
+    for (int c = 0; c < K / 2; c += 8) {
+      float v8[8];
+      load8(row + c, v8);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s2 += v8[e] * v8[e];
+    }
+    s2 += __shfl_xor_sync(0xffffffffu, s2, 1);
+    const float inv = 1.f / fmaxf(sqrtf(s2), 1e-6f);
+#pragma unroll
+    for (int c = 0; c < K / 2; c += 8) {
+      float v8[8];
+      load8(row + c, v8);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v8[e] *= inv;
+      store8_bf16(row + c, v8);
+    }
+    __syncthreads();
+  }
 
   // G (log2 units) at (row, channel), and at the chunk's last token
   auto gat = [&](int i, int c) -> float {
@@ -668,24 +726,49 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   __syncthreads();
-  if (tid < len) gd.dbeta[size_t(tok0 + tid) * x.HV + hv] = __float2bfloat16_rn(sdBeta[tid]);
+  if (tid < len) {
+    float db = sdBeta[tid];
+    if (x.layer.beta_sigmoid) db *= sBeta[tid] * (1.f - sBeta[tid]);  // dbraw
+    gd.dbeta[size_t(tok0 + tid) * x.HV + hv] = __float2bfloat16_rn(db);
+  }
   if constexpr (kChannel) {
     for (int c = tid; c < K; c += kThreads) {
       bf16* dg = gd.dg + (size_t(tok0) * x.HV + hv) * K + c;  // row i at dg[i * HV * K]
+      // KDA layer gate: dg -> dgraw as written; this channel's ddt_bias and dA_log terms
+      const float a = layer_gate && x.layer.A_log ? __expf(x.layer.A_log[hv]) : 1.f;
+      const float bias = layer_gate && x.layer.dt_bias ? x.layer.dt_bias[size_t(hv) * K + c] : 0.f;
+      float dbias = 0.f, dA = 0.f;
+      auto emit = [&](int i, float v) {
+        if (layer_gate) {
+          float dz, da;
+          kda_gate_grad(x.layer.gate_softplus, x.layer.lower_bound, a,
+                        __bfloat162float(sGraw[i * K + c]) + bias, v, dz, da);
+          dbias += dz;
+          dA += da;
+          v = dz;
+        }
+        dg[size_t(i) * x.HV * K] = __float2bfloat16_rn(v);
+      };
       float inter = sdGC[c], pair = 0.f;
       for (int i = C - 1; i >= 0; --i) {
         inter += sdG[i * LDG + c];
         pair += sdGp[i * LDG + c];
         if (i >= C / 2) {
-          if (i < len) dg[size_t(i) * x.HV * K] = __float2bfloat16_rn(inter + pair);
+          if (i < len) emit(i, inter + pair);
         } else {
           sdG[i * LDG + c] = inter;  // suffix of the rest; the prefix pass below finishes it
         }
       }
       float prefix = 0.f;
       for (int i = 0; i < C / 2; ++i) {
-        if (i < len) dg[size_t(i) * x.HV * K] = __float2bfloat16_rn(sdG[i * LDG + c] - prefix);
+        if (i < len) emit(i, sdG[i * LDG + c] - prefix);
         prefix += sdGp[i * LDG + c];
+      }
+      if (layer_gate) {  // every lane of the first K / 32 warps is here (K threads, K % 32 = 0)
+        if (gd.ddt_bias) atomicAdd(gd.ddt_bias + size_t(hv) * K + c, dbias);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) dA += __shfl_xor_sync(0xffffffffu, dA, off);
+        if (gd.dA_log && lane == 0) atomicAdd(gd.dA_log + hv, dA);
       }
     }
   } else if constexpr (GATE == Gate::scalar) {
@@ -723,16 +806,19 @@ template <Gate GATE, int K, int V>
 void launch(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd,
             cudaStream_t stream) {
   using L = LocalLayout<GATE, K, V>;
-  static_assert(L::total <= 227 * 1024, "chunk_bwd_local: shared memory");
+  constexpr bool kChannel = GATE == Gate::channel;
+  constexpr size_t most = kChannel ? L::total_layer : L::total;
+  static_assert(most <= 227 * 1024, "chunk_bwd_local: shared memory");
   static const bool configured = [] {
     check_cuda(cudaFuncSetAttribute(chunk_bwd_local_kernel<GATE, K, V>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::total)),
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(most)),
                "chunk_bwd_local shared memory limit");
     return true;
   }();
   (void)configured;
   const dim3 grid(unsigned(ws.num_chunks), unsigned(x.HV));
-  chunk_bwd_local_kernel<GATE, K, V><<<grid, kThreads, L::total, stream>>>(x, ws, gd);
+  const size_t bytes = kChannel && x.layer.gate ? L::total_layer : L::total;
+  chunk_bwd_local_kernel<GATE, K, V><<<grid, kThreads, bytes, stream>>>(x, ws, gd);
   check_launch("chunk_bwd_local kernel");
 }
 
@@ -744,27 +830,68 @@ void launch_kv(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads&
   return launch<GATE, 64, 64>(x, ws, gd, stream);
 }
 
-__global__ void sum_group_grads_kernel(const float* __restrict__ dq_part,
+// One thread per 4 channels of one (token, q / k head) row; a row's K / 4 threads are adjacent
+// lanes of one warp (K / 4 in {16, 32}), so its sums are warp shuffles. dy: the fp32 sum of the
+// group's partials (GROUPED) or the bf16 row in dq / dk; with l2norm, dx = (dy - x (x . dy) /
+// |x|^2) / |x| for |x| > 1e-6, else dy / 1e-6 (ops/kda/kda_activations.h).
+template <bool GROUPED>
+__global__ void finish_qk_grads_kernel(const float* __restrict__ dq_part,
                                        const float* __restrict__ dk_part, bf16* dq, bf16* dk,
-                                       int64_t rows, int H, int group, int K) {
-  // one thread per 4 channels of one (token, q/k head) row
+                                       const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                       int64_t rows, int H, int group, int K, bool l2norm) {
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int per_row = K / 4;
-  if (idx >= rows * per_row) return;
-  const int64_t row = idx / per_row;  // token * H + h
+  const bool live = idx < rows * per_row;        // dead lanes work on row 0 and store nothing
+  const int64_t row = live ? idx / per_row : 0;  // token * H + h
   const int c = int(idx % per_row) * 4;
-  const int64_t tok = row / H;
-  const int h = int(row % H);
-  float sq[4] = {0.f, 0.f, 0.f, 0.f}, sk[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int gi = 0; gi < group; ++gi) {
-    const size_t off = (size_t(tok) * H * group + size_t(h) * group + gi) * K + c;
-    const float4 a = *reinterpret_cast<const float4*>(dq_part + off);
-    const float4 b = *reinterpret_cast<const float4*>(dk_part + off);
-    sq[0] += a.x, sq[1] += a.y, sq[2] += a.z, sq[3] += a.w;
-    sk[0] += b.x, sk[1] += b.y, sk[2] += b.z, sk[3] += b.w;
+  float gq[4] = {0.f, 0.f, 0.f, 0.f}, gk[4] = {0.f, 0.f, 0.f, 0.f};
+  if constexpr (GROUPED) {
+    const int64_t tok = row / H;
+    const int h = int(row % H);
+    for (int gi = 0; gi < group; ++gi) {
+      const size_t off = (size_t(tok) * H * group + size_t(h) * group + gi) * K + c;
+      const float4 a = *reinterpret_cast<const float4*>(dq_part + off);
+      const float4 b = *reinterpret_cast<const float4*>(dk_part + off);
+      gq[0] += a.x, gq[1] += a.y, gq[2] += a.z, gq[3] += a.w;
+      gk[0] += b.x, gk[1] += b.y, gk[2] += b.z, gk[3] += b.w;
+    }
+  } else {
+    load4(dq + row * K + c, gq);
+    load4(dk + row * K + c, gk);
   }
-  store4(dq + row * K + c, sq);
-  store4(dk + row * K + c, sk);
+  if (l2norm) {
+    float xq[4], xk[4];
+    load4(q + row * K + c, xq);
+    load4(k + row * K + c, xk);
+    float s[4] = {0.f, 0.f, 0.f, 0.f};  // |q|^2, q . dq, |k|^2, k . dk
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[0] += xq[e] * xq[e];
+      s[1] += xq[e] * gq[e];
+      s[2] += xk[e] * xk[e];
+      s[3] += xk[e] * gk[e];
+    }
+    for (int off = 1; off < per_row; off <<= 1)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) s[j] += __shfl_xor_sync(0xffffffffu, s[j], off);
+    auto back = [](float* g, const float* xr, float n2, float dot) {
+      const float norm = sqrtf(n2);
+      if (norm <= 1e-6f) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) g[e] *= 1e6f;
+        return;
+      }
+      const float inv = 1.f / norm, proj = dot / n2;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) g[e] = (g[e] - xr[e] * proj) * inv;
+    };
+    back(gq, xq, s[0], s[1]);
+    back(gk, xk, s[2], s[3]);
+  }
+  if (live) {
+    store4(dq + row * K + c, gq);
+    store4(dk + row * K + c, gk);
+  }
 }
 
 }  // namespace
@@ -781,13 +908,20 @@ void launch_chunk_bwd_local(const ChunkTokens& x, const ChunkWorkspace& ws, cons
   }
 }
 
-void launch_sum_group_grads(const ChunkGrads& gd, int64_t tokens, int H, int HV, int K,
+void launch_finish_qk_grads(const ChunkTokens& x, const ChunkGrads& gd, int64_t tokens, int K,
                             cudaStream_t stream) {
-  const int64_t rows = tokens * H, threads = rows * (K / 4);
+  const bool grouped = gd.dq_part != nullptr, l2norm = x.layer.l2norm_qk;
+  if (!grouped && !l2norm) return;
+  const int64_t rows = tokens * x.H, threads = rows * (K / 4);
   const int block = 256;
-  sum_group_grads_kernel<<<unsigned((threads + block - 1) / block), block, 0, stream>>>(
-      gd.dq_part, gd.dk_part, gd.dq, gd.dk, rows, H, HV / H, K);
-  check_launch("sum_group_grads kernel");
+  const unsigned grid = unsigned((threads + block - 1) / block);
+  if (grouped)
+    finish_qk_grads_kernel<true><<<grid, block, 0, stream>>>(
+        gd.dq_part, gd.dk_part, gd.dq, gd.dk, x.q, x.k, rows, x.H, x.HV / x.H, K, l2norm);
+  else
+    finish_qk_grads_kernel<false><<<grid, block, 0, stream>>>(nullptr, nullptr, gd.dq, gd.dk, x.q,
+                                                              x.k, rows, x.H, 1, K, l2norm);
+  check_launch("finish_qk_grads kernel");
 }
 
 }  // namespace kda::ops::cuda_detail

@@ -107,13 +107,7 @@ void chunk_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void* wo
                    size_t workspace_bytes, cudaStream_t stream) {
   const DeltaRuleShape& s = in.shape;
   s.validate();
-  if (in.kda_layer.any()) {
-    require(in.dtype == ElementType::bf16 && s.gate == Gate::channel,
-            "delta rule (cuda chunk): KDA layer options need bf16 inputs and Gate::channel");
-    require(!in.kda_layer.gate_in_kernel || in.kda_layer.gate == KdaGate::softplus ||
-                (in.kda_layer.lower_bound >= -5.f && in.kda_layer.lower_bound < 0.f),
-            "delta rule (cuda chunk): lower_bound must be in [-5, 0)");
-  }
+  const KdaLayerParams layer = kda_layer_params(in, "delta rule (cuda chunk)");
   if (in.dtype == ElementType::f32) {
     require(workspace_bytes >= recurrent_forward_workspace_bytes(in.cu_seqlens),
             "delta rule (cuda chunk): workspace too small");
@@ -154,17 +148,7 @@ void chunk_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void* wo
   x.H = int(s.H);
   x.HV = int(s.HV);
   x.scale = float(s.effective_scale());
-  if (in.kda_layer.any()) {
-    const KdaLayerDeviceOptions& lo = in.kda_layer;
-    x.layer.on = true;
-    x.layer.l2norm_qk = lo.l2norm_qk;
-    x.layer.gate = lo.gate_in_kernel;
-    x.layer.gate_softplus = lo.gate == KdaGate::softplus;
-    x.layer.beta_sigmoid = lo.beta_sigmoid;
-    x.layer.lower_bound = lo.lower_bound;
-    x.layer.A_log = lo.A_log;
-    x.layer.dt_bias = lo.dt_bias;
-  }
+  x.layer = layer;
   // Kernel-lab knob: KDA_CHUNK_STAGES=prepare|state runs one stage alone (for timing only;
   // the output is then incomplete). Unset in normal use.
   const char* stages = std::getenv("KDA_CHUNK_STAGES");

@@ -17,6 +17,11 @@
 // 3. chunk_state_bwd (sequential over chunks, backwards): dD = M^T dO + Kd dS and
 //    dS <- exp(G_C) dS + Qt^T dO - W^T dD; writes dS (leaving each chunk) and dD.
 // 4. chunk_bwd_local (parallel over chunks x value heads): every input gradient of the chunk.
+// 5. finish_qk_grads (grouped value heads or the KDA layer's l2norm): dq, dk per q / k head.
+// With a KDA layer's options (KdaLayerParams) the recompute activates as the forward does, and
+// chunk_bwd_local activates its own loads the same way (normalised q / k rows, gate, beta) and
+// maps dg, dbeta to the raw inputs' gradients itself (plus dA_log, ddt_bias by fp32 atomics);
+// finish_qk_grads maps the normalised rows' dq, dk to the raw rows'.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -55,9 +60,9 @@ struct ChunkWorkspace {
 };
 
 // A KDA layer's in-kernel options (fla's chunk_kda use_qk_l2norm_in_kernel, use_gate_in_kernel,
-// use_beta_sigmoid_in_kernel), applied by chunk_prepare (forward only): q, k rows L2-normalised,
-// g = lower_bound * sigmoid(exp(A_log) (graw + dt_bias)) or -exp(A_log) softplus(graw + dt_bias),
-// beta = sigmoid(braw). `on` false: the inputs are used as given.
+// use_beta_sigmoid_in_kernel), applied by chunk_prepare and chunk_bwd_local: q, k rows
+// L2-normalised, g = lower_bound * sigmoid(exp(A_log) (graw + dt_bias)) or -exp(A_log)
+// softplus(graw + dt_bias), beta = sigmoid(braw). `on` false: the inputs are used as given.
 struct KdaLayerParams {
   bool on = false;
   bool l2norm_qk = false;
@@ -89,6 +94,9 @@ struct ChunkGrads {
   __nv_bfloat16 *dq, *dk;  // [tokens, H, K] (written directly when HV == H)
   float *dq_part, *dk_part;        // [tokens, HV, K] per value head (HV != H), then summed
   __nv_bfloat16 *dv, *dg, *dbeta;  // [tokens, HV, V], like g (null for Gate::none), [tokens, HV]
+  // KDA layer gate (KdaLayerParams::gate): fp32 [HV], [HV * K], zeroed by the caller, summed
+  // into by chunk_bwd_local's atomics; either may be null (not computed)
+  float *dA_log, *ddt_bias;
 };
 
 void launch_chunk_prepare(const ChunkTokens& x, const ChunkWorkspace& ws, Gate gate, int K, int V,
@@ -104,8 +112,11 @@ void launch_chunk_state_bwd(const ChunkTokens& x, const ChunkWorkspace& ws, cons
                             int64_t num_seqs, int K, int V, cudaStream_t stream);
 void launch_chunk_bwd_local(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd,
                             Gate gate, int K, int V, cudaStream_t stream);
-// dq/dk [tokens, H, K] (bf16) = sum over each group's value heads of the fp32 partials.
-void launch_sum_group_grads(const ChunkGrads& gd, int64_t tokens, int H, int HV, int K,
+// dq/dk [tokens, H, K] (bf16): for grouped value heads (gd.dq_part set) the sum over each
+// group's value heads of the fp32 partials, else the rows chunk_bwd_local wrote to gd.dq / gd.dk;
+// with x.layer.l2norm_qk these are the normalised rows' gradients, mapped here (in place) to the
+// raw rows' (x.q, x.k). Nothing to do (not launched) for HV == H without l2norm.
+void launch_finish_qk_grads(const ChunkTokens& x, const ChunkGrads& gd, int64_t tokens, int K,
                             cudaStream_t stream);
 
 }  // namespace kda::ops::cuda_detail

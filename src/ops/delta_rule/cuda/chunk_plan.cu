@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <mutex>
+#include <string>
 
 #include "ops/common/sequences.h"
 #include "ops/delta_rule/cuda/device_common.cuh"
@@ -126,6 +127,26 @@ ChunkWorkspace bind_chunk_workspace(const ChunkPlan& plan, void* workspace, cuda
   ws.S0 = bf(plan.off_s0);
   ws.D = bf(plan.off_d);
   return ws;
+}
+
+KdaLayerParams kda_layer_params(const cuda::DeltaRuleDeviceInputs& in, const char* who) {
+  const cuda::KdaLayerDeviceOptions& lo = in.kda_layer;
+  KdaLayerParams p;
+  if (!lo.any()) return p;
+  require(in.dtype == cuda::ElementType::bf16 && in.shape.gate == Gate::channel,
+          std::string(who) + ": KDA layer options need bf16 inputs and Gate::channel");
+  require(!lo.gate_in_kernel || lo.gate == KdaGate::softplus ||
+              (lo.lower_bound >= -5.f && lo.lower_bound < 0.f),
+          std::string(who) + ": lower_bound must be in [-5, 0)");
+  p.on = true;
+  p.l2norm_qk = lo.l2norm_qk;
+  p.gate = lo.gate_in_kernel;
+  p.gate_softplus = lo.gate == KdaGate::softplus;
+  p.beta_sigmoid = lo.beta_sigmoid;
+  p.lower_bound = lo.lower_bound;
+  p.A_log = lo.A_log;
+  p.dt_bias = lo.dt_bias;
+  return p;
 }
 
 }  // namespace kda::ops::cuda_detail

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "ops/delta_rule/cuda/chunk_kernels.cuh"
+#include "ops/delta_rule/cuda/delta_rule_cuda.h"
 #include "ops/delta_rule/delta_rule.h"
 
 namespace kda::ops::cuda_detail {
@@ -31,5 +32,10 @@ ChunkPlan make_chunk_plan(const DeltaRuleShape& s, std::span<const int64_t> cu_s
 // Copies the plan's tables to the start of `workspace` (asynchronously, through a pinned buffer)
 // and returns the forward workspace view; the backward arrays are set when planned.
 ChunkWorkspace bind_chunk_workspace(const ChunkPlan& plan, void* workspace, cudaStream_t stream);
+
+// A KDA layer's options as the kernels take them (`on` false when none is set), after checking
+// what chunk_forward and chunk_backward require of them (bf16, Gate::channel, lower_bound in
+// [-5, 0)); `who` starts the error messages.
+KdaLayerParams kda_layer_params(const cuda::DeltaRuleDeviceInputs& in, const char* who);
 
 }  // namespace kda::ops::cuda_detail

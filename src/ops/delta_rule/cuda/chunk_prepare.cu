@@ -10,10 +10,10 @@
 // factors above 1 (bounded by 15 tokens of decay). For scalar gates the decay is applied
 // after the product, exactly.
 //
-// LAYER (KDA only, forward only): a KDA layer's in-kernel options (KdaLayerParams): the gate
-// activation and sigmoid(beta) as they are loaded, and the q / k row norms from the loaded
-// tiles, folded into phase 2's scalings (one bf16 rounding, where fla rounds the normalised
-// q / k first).
+// LAYER (KDA only; the forward and the backward's recompute): a KDA layer's in-kernel options
+// (KdaLayerParams): the gate activation and sigmoid(beta) as they are loaded
+// (kda_layer_math.cuh), and the q / k row norms from the loaded tiles, folded into phase 2's
+// scalings (one bf16 rounding, where fla rounds the normalised q / k first).
 // Gated DeltaNet forward (ws.raw_qk): Qt and Kd are not written; gC gets G (chunk_state reads
 // q, k itself).
 #include <algorithm>
@@ -22,6 +22,7 @@
 
 #include "ops/delta_rule/cuda/chunk_kernels.cuh"
 #include "ops/delta_rule/cuda/device_common.cuh"
+#include "ops/delta_rule/cuda/kda_layer_math.cuh"
 
 namespace kda::ops::cuda_detail {
 namespace {
@@ -60,20 +61,6 @@ struct PairMap {
   static constexpr int kPairs = K / 2, kSegs = kThreads / kPairs, kRows = C / kSegs;
   static_assert(kRows <= 16 && 16 % kRows == 0, "a segment stays inside one 16-row block");
 };
-
-// The activated gate of fla's use_gate_in_kernel (natural log units), fp32 with the fast
-// exp / log / reciprocal (relative error ~1e-6, far below the bf16 rounding of everything else).
-__device__ __forceinline__ float fast_rcp(float x) {  // 1 / inf = 0
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float kda_gate_softplus(float a, float z) {
-  return -a * (z > 20.f ? z : __logf(1.f + __expf(z)));  // -a * torch's softplus
-}
-__device__ __forceinline__ float kda_gate_bounded(float lower_bound, float a, float z) {
-  return lower_bound * fast_rcp(1.f + __expf(-a * z));  // lower_bound * sigmoid(a z)
-}
 
 template <Gate GATE, int K, int V, bool LAYER>
 __global__ void __launch_bounds__(kThreads, 3)
@@ -133,7 +120,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   if (tid < C) {
     float b = tid < len ? to_f32(x.beta[size_t(tok0 + tid) * x.HV + hv]) : 0.f;
     if constexpr (LAYER)
-      if (x.layer.beta_sigmoid && tid < len) b = fast_rcp(1.f + __expf(-b));
+      if (x.layer.beta_sigmoid && tid < len) b = kda_beta_sigmoid(b);
     sBeta[tid] = b;
   }
 

@@ -23,8 +23,9 @@ namespace kda::ops::cuda {
 enum class ElementType { f32, bf16 };
 
 // A KDA layer's in-kernel options, as fla's chunk_kda(use_qk_l2norm_in_kernel,
-// use_gate_in_kernel, use_beta_sigmoid_in_kernel) and kda.h's KdaOptions apply them. Only the
-// bf16 chunk_forward with Gate::channel takes them (chunk_backward and the fp32 path refuse).
+// use_gate_in_kernel, use_beta_sigmoid_in_kernel) and kda.h's KdaOptions apply them. The bf16
+// chunk_forward and chunk_backward with Gate::channel take them (the fp32 path refuses); each
+// option is independent of the others.
 //   l2norm_qk:      q, k rows <- x / max(|x|, 1e-6)
 //   gate_in_kernel: g holds graw; g <- lower_bound * sigmoid(exp(A_log) (graw + dt_bias))
 //                   (KdaGate::lower_bound, fla's safe_gate) or -exp(A_log) softplus(graw +
@@ -78,14 +79,24 @@ void chunk_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void* wo
                    size_t workspace_bytes, cudaStream_t stream);
 
 // Backward of chunk_forward (bf16 inputs only): gradients of sum(o * d_o) + sum(ht * d_ht)
-// with respect to q, k, v, g, beta and h0. Recomputes the forward's chunk quantities and the
-// state entering every chunk, walks the chunks backwards carrying dS, then computes each
-// chunk's gradients in parallel (see chunk_kernels.cuh). Supported: K = V in {64, 128}; the KDA
-// gate precondition of chunk_forward applies. d_o [B, T, HV, V] (bf16); d_ht fp32 [N, HV, K, V]
-// or null (zero). Gradients have the inputs' layouts and element type (bf16), dh0 fp32;
-// dg is not written for Gate::none and may be null then; dh0 may be null. `workspace` must
-// hold chunk_backward_workspace_bytes(...) bytes (forward workspace + per-chunk states and
-// their gradients, ~4 * K * V bytes per chunk and value head).
+// with respect to q, k, v, g, beta and h0 (and, with in.kda_layer's gate, A_log and dt_bias).
+// Recomputes the forward's chunk quantities and the state entering every chunk, walks the chunks
+// backwards carrying dS, then computes each chunk's gradients in parallel (see chunk_kernels.cuh).
+// Supported: K = V in {64, 128}; the KDA gate precondition of chunk_forward applies. d_o [B, T, HV,
+// V] (bf16); d_ht fp32 [N, HV, K, V] or null (zero). Gradients have the inputs' layouts and element
+// type (bf16), dh0 fp32; dg is not written for Gate::none and may be null then; dh0 may be null.
+// `workspace` must hold chunk_backward_workspace_bytes(...) bytes (forward workspace + per-chunk
+// states and their gradients, ~4 * K * V bytes per chunk and value head).
+//
+// With in.kda_layer (the same options as the forward's) every gradient is with respect to the
+// RAW input the caller passed: dq, dk of the raw q, k rows (through the L2 norm, l2norm_qk),
+// dg = dgraw (gate_in_kernel), dbeta = dbraw (beta_sigmoid); layouts and bf16 as above. With
+// gate_in_kernel, dA_log [HV] and ddt_bias [HV * K] (fp32 device arrays, either may be null)
+// are overwritten with the gradients with respect to A_log and dt_bias (a null A_log / dt_bias
+// in the options is differentiated at A_log = 0 / dt_bias = 0). They are sums over all tokens
+// by fp32 atomics: equal run to run only to rounding. The recompute and the gradients use the
+// forward's activations (same functions, so the same gate and beta bit for bit; normalised
+// q / k rounded to bf16 once).
 struct DeltaRuleDeviceGrads {
   void* dq = nullptr;
   void* dk = nullptr;
@@ -93,6 +104,8 @@ struct DeltaRuleDeviceGrads {
   void* dg = nullptr;
   void* dbeta = nullptr;
   float* dh0 = nullptr;
+  float* dA_log = nullptr;    // KDA layer gate only: [HV]
+  float* ddt_bias = nullptr;  // KDA layer gate only: [HV * K]
 };
 size_t chunk_backward_workspace_bytes(const DeltaRuleShape& shape,
                                       std::span<const int64_t> cu_seqlens);
