@@ -47,14 +47,19 @@ void short_conv_silu_backward(const float* x, int64_t T, int64_t C, int64_t x_st
             dx[s * dx_stride + c] = acc;
           }
         }
-        for (int64_t c = c0; c < c1; ++c) {
+        // dw in time order, contiguous channels innermost (da and x rows are contiguous)
+        std::vector<double> dw(size_t(n * W), 0.0);
+        for (int64_t t = 0; t < T; ++t) {
           for (int64_t j = 0; j < W; ++j) {
-            double acc = 0;
-            for (int64_t t = 0; t < T; ++t)
-              acc += double(da[t * n + (c - c0)]) * input(t - past + j, c);
-            dweight[c * W + j] += float(acc);
+            const int64_t s = t - past + j;
+            if (s < 0) continue;
+            const float* xs = x + s * x_stride + c0;
+            const float* dat = da.data() + t * n;
+            for (int64_t c = 0; c < n; ++c) dw[size_t(c * W + j)] += double(dat[c]) * xs[c];
           }
         }
+        for (int64_t c = 0; c < n; ++c)
+          for (int64_t j = 0; j < W; ++j) dweight[(c0 + c) * W + j] += float(dw[size_t(c * W + j)]);
       },
       double(T * kBlock * W * 6));
 }
