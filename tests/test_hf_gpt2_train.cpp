@@ -163,7 +163,10 @@ TEST(HfGpt2Train, EveryGradientMatchesDirectionalFiniteDifferences) {
       ASSERT_GT(gnorm, 1e-6) << p->name;  // every tensor is used (wpe rows up to T, too)
       std::vector<double> random_dir(static_cast<size_t>(n));
       double rnorm2 = 0;
-      for (double& u : random_dir) rnorm2 += (u = rng.normal()) * u;
+      for (double& u : random_dir) {
+        u = rng.normal();
+        rnorm2 += u * u;
+      }
       for (double& u : random_dir) u /= std::sqrt(rnorm2);
       const std::vector<float> keep(p->value.f32(), p->value.f32() + n);
       for (int dir = 0; dir < 2; ++dir) {

@@ -1,6 +1,7 @@
 // Parallel loops over independent work items (sequences x heads). OpenMP underneath;
 // OpenBLAS (its OpenMP build) runs single-threaded inside these regions by itself.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <exception>
 #include <mutex>
@@ -30,6 +31,21 @@ void parallel_for(int64_t n, Body&& body, double flops_per_item = 1e300) {
     }
   }
   if (error) std::rethrow_exception(error);
+}
+
+// Calls body(first, end) over blocks of 16 rows of [0, rows) in parallel: row-wise work
+// (norms, activations) in pieces big enough to be worth a thread, small jobs on the caller.
+template <class Body>
+void parallel_for_row_blocks(int64_t rows, double flops_per_row, Body&& body) {
+  constexpr int64_t kRowsPerBlock = 16;
+  const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  parallel_for(
+      blocks,
+      [&](int64_t b) {
+        const int64_t first = b * kRowsPerBlock;
+        body(first, std::min(rows, first + kRowsPerBlock));
+      },
+      flops_per_row * double(kRowsPerBlock));
 }
 
 }  // namespace kda

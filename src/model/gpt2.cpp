@@ -38,29 +38,15 @@ ArchitectureInfo describe(const Gpt2Config& c) {
   return info;
 }
 
-// Rows of work for parallel_for: blocks of rows so that tiny jobs stay on one thread.
-template <class Body>
-void for_row_blocks(int64_t rows, double flops_per_row, Body&& body) {
-  constexpr int64_t kRowsPerBlock = 16;
-  const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
-  parallel_for(
-      blocks,
-      [&](int64_t b) {
-        const int64_t first = b * kRowsPerBlock;
-        body(first, std::min(rows, first + kRowsPerBlock));
-      },
-      flops_per_row * double(kRowsPerBlock));
-}
-
 void layer_norm_rows(const float* x, int64_t rows, int64_t D, const Tensor& weight,
                      const Tensor& bias, float eps, float* y) {
-  for_row_blocks(rows, 8.0 * double(D), [&](int64_t first, int64_t end) {
+  parallel_for_row_blocks(rows, 8.0 * double(D), [&](int64_t first, int64_t end) {
     ops::layer_norm(x + first * D, end - first, D, weight.f32(), bias.f32(), eps, y + first * D);
   });
 }
 
 void activate_rows(Gpt2Activation act, float* h, int64_t rows, int64_t width) {
-  for_row_blocks(rows, 20.0 * double(width), [&](int64_t first, int64_t end) {
+  parallel_for_row_blocks(rows, 20.0 * double(width), [&](int64_t first, int64_t end) {
     float* p = h + first * width;
     const int64_t n = (end - first) * width;
     switch (act) {

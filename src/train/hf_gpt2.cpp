@@ -19,20 +19,6 @@ namespace {
 using json = nlohmann::json;
 using model::Gpt2Activation;
 
-// Blocks of rows for parallel_for, so that tiny jobs stay on the calling thread.
-template <class Body>
-void for_row_blocks(int64_t rows, double flops_per_row, Body&& body) {
-  constexpr int64_t kRowsPerBlock = 16;
-  const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
-  parallel_for(
-      blocks,
-      [&](int64_t b) {
-        const int64_t first = b * kRowsPerBlock;
-        body(first, std::min(rows, first + kRowsPerBlock));
-      },
-      flops_per_row * double(kRowsPerBlock));
-}
-
 // Conv1D (weights [in, out]): y = x W + b, or y += x W + b with accumulate.
 void conv1d_forward(const float* x, int64_t rows, int64_t in, const float* W, const float* b,
                     int64_t out, float* y, bool accumulate = false) {
@@ -54,7 +40,7 @@ void conv1d_backward(const float* x, const float* dy, int64_t rows, int64_t in, 
 // y = (x - mean) * rstd * w + b per row; mean and rstd [rows] are kept for the backward.
 void layer_norm_forward(const float* x, int64_t rows, int64_t D, const float* w, const float* b,
                         float eps, float* y, float* mean, float* rstd) {
-  for_row_blocks(rows, 8.0 * double(D), [&](int64_t first, int64_t end) {
+  parallel_for_row_blocks(rows, 8.0 * double(D), [&](int64_t first, int64_t end) {
     for (int64_t r = first; r < end; ++r) {
       const float* xr = x + r * D;
       double m = 0, var = 0;
@@ -73,7 +59,7 @@ void layer_norm_forward(const float* x, int64_t rows, int64_t D, const float* w,
 // dx += rstd (g - mean(g) - xhat mean(g xhat)) with g = dy w; dw += dy xhat; db += dy.
 void layer_norm_backward(const float* x, const float* dy, int64_t rows, int64_t D, const float* w,
                          const float* mean, const float* rstd, float* dx, float* dw, float* db) {
-  for_row_blocks(rows, 10.0 * double(D), [&](int64_t first, int64_t end) {
+  parallel_for_row_blocks(rows, 10.0 * double(D), [&](int64_t first, int64_t end) {
     for (int64_t r = first; r < end; ++r) {
       const float* xr = x + r * D;
       const float* dyr = dy + r * D;
@@ -101,7 +87,7 @@ constexpr float kSqrt2OverPi = 0.7978845608028654f;
 constexpr float kGeluCubic = 0.044715f;
 
 void activation_forward(Gpt2Activation act, const float* x, int64_t rows, int64_t width, float* y) {
-  for_row_blocks(rows, 20.0 * double(width), [&](int64_t first, int64_t end) {
+  parallel_for_row_blocks(rows, 20.0 * double(width), [&](int64_t first, int64_t end) {
     for (int64_t i = first * width; i < end * width; ++i) {
       const float v = x[i];
       switch (act) {
@@ -125,7 +111,7 @@ void activation_forward(Gpt2Activation act, const float* x, int64_t rows, int64_
 // dx = dy * act'(x), in place on dy.
 void activation_backward(Gpt2Activation act, const float* x, int64_t rows, int64_t width,
                          float* dy) {
-  for_row_blocks(rows, 25.0 * double(width), [&](int64_t first, int64_t end) {
+  parallel_for_row_blocks(rows, 25.0 * double(width), [&](int64_t first, int64_t end) {
     for (int64_t i = first * width; i < end * width; ++i) {
       const float v = x[i];
       float d = 0;

@@ -229,12 +229,7 @@ StepResult KimiLinearTrainable::forward_backward(const int32_t* inputs, const in
   require(B >= 1 && T >= 1, "kimi_linear training: B and T must be >= 1");
   const std::vector<int64_t> segments = document_segments(cu_seqlens, B, T, "kimi_linear training");
   std::vector<float> h(size_t(N * D)), tmp(size_t(N * D));
-  for (int64_t r = 0; r < N; ++r) {
-    require(inputs[r] >= 0 && inputs[r] < V, "kimi_linear training: token id " +
-                                                 std::to_string(inputs[r]) +
-                                                 " is out of the vocabulary");
-    std::copy_n(embed_->value.f32() + int64_t(inputs[r]) * D, D, &h[size_t(r * D)]);
-  }
+  embedding_forward(embed_->value.f32(), V, D, inputs, N, h.data(), "kimi_linear training");
   for (auto& layer_ptr : layers_) {
     Layer& L = *layer_ptr;
     L.h_in = h;
@@ -284,21 +279,17 @@ StepResult KimiLinearTrainable::forward_backward(const int32_t* inputs, const in
     } else {
       L.moe->backward(dh.data(), dnorm.data());
     }
-    rms_norm_backward(L.h_mid.data(), dnorm.data(), N, D, L.post_norm->value.f32(), L.inv2.data(),
-                      dtmp.data(), L.post_norm->grad.f32());
-    for (int64_t i = 0; i < N * D; ++i) dh[i] += dtmp[i];
+    residual_rms_norm_backward(L.h_mid.data(), dnorm.data(), N, D, L.post_norm->value.f32(),
+                               L.inv2.data(), L.post_norm->grad.f32(), dh.data(), dtmp.data());
     if (L.kda) {
       L.kda->backward(dh.data(), dnorm.data());
     } else {
       L.mla->backward(dh.data(), dnorm.data());
     }
-    rms_norm_backward(L.h_in.data(), dnorm.data(), N, D, L.input_norm->value.f32(), L.inv1.data(),
-                      dtmp.data(), L.input_norm->grad.f32());
-    for (int64_t i = 0; i < N * D; ++i) dh[i] += dtmp[i];
+    residual_rms_norm_backward(L.h_in.data(), dnorm.data(), N, D, L.input_norm->value.f32(),
+                               L.inv1.data(), L.input_norm->grad.f32(), dh.data(), dtmp.data());
   }
-  float* dE = embed_->grad.f32();
-  for (int64_t r = 0; r < N; ++r)
-    for (int64_t i = 0; i < D; ++i) dE[int64_t(inputs[r]) * D + i] += dh[r * D + i];
+  embedding_backward(inputs, dh.data(), N, D, embed_->grad.f32());
   return result;
 }
 

@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "core/blas.h"
+#include "core/error.h"
 #include "core/fast_math.h"
 #include "core/parallel.h"
 
@@ -49,6 +51,29 @@ void rms_norm_backward(const float* x, const float* dy, int64_t rows, int64_t D,
     const float c = float(dot / double(D)) * inv * inv * inv;
     for (int64_t i = 0; i < D; ++i) dx[r * D + i] = dyr[i] * w[i] * inv - xr[i] * c;
   }
+}
+
+void residual_rms_norm_backward(const float* x, const float* d_normed, int64_t rows, int64_t D,
+                                const float* w, const float* inv_rms, float* dw, float* dh,
+                                float* scratch) {
+  rms_norm_backward(x, d_normed, rows, D, w, inv_rms, scratch, dw);
+  for (int64_t i = 0; i < rows * D; ++i) dh[i] += scratch[i];
+}
+
+void embedding_forward(const float* table, int64_t vocab, int64_t D, const int32_t* ids,
+                       int64_t rows, float* out, const char* who) {
+  for (int64_t r = 0; r < rows; ++r) {
+    require(
+        ids[r] >= 0 && ids[r] < vocab,
+        std::string(who) + ": token id " + std::to_string(ids[r]) + " is out of the vocabulary");
+    std::copy_n(table + int64_t(ids[r]) * D, D, out + r * D);
+  }
+}
+
+void embedding_backward(const int32_t* ids, const float* dy, int64_t rows, int64_t D,
+                        float* dtable) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < D; ++i) dtable[int64_t(ids[r]) * D + i] += dy[r * D + i];
 }
 
 void swiglu_forward(const float* a, const float* b, int64_t n, float* h) {

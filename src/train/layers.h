@@ -20,6 +20,20 @@ void rms_norm_forward(const float* x, int64_t rows, int64_t D, const float* w, f
 void rms_norm_backward(const float* x, const float* dy, int64_t rows, int64_t D, const float* w,
                        const float* inv_rms, float* dx, float* dw);
 
+// The pre-norm residual's backward: x -> x + f(rms_norm(x)). Given d_normed (the gradient at
+// the norm's output), dh += the gradient through the norm into x; dw accumulated; scratch
+// [rows, D].
+void residual_rms_norm_backward(const float* x, const float* d_normed, int64_t rows, int64_t D,
+                                const float* w, const float* inv_rms, float* dw, float* dh,
+                                float* scratch);
+
+// Token embedding: rows of table [vocab, D] by id (throws kda::Error naming `who` on an id
+// outside the vocabulary), and its backward (scatter-add of dy into dtable).
+void embedding_forward(const float* table, int64_t vocab, int64_t D, const int32_t* ids,
+                       int64_t rows, float* out, const char* who);
+void embedding_backward(const int32_t* ids, const float* dy, int64_t rows, int64_t D,
+                        float* dtable);
+
 // SwiGLU: h = silu(a) * b, where a = x W1^T, b = x W3^T (kept for the backward).
 void swiglu_forward(const float* a, const float* b, int64_t n, float* h);
 void swiglu_backward(const float* a, const float* b, const float* dh, int64_t n, float* da,

@@ -178,10 +178,7 @@ StepResult LineageModel::forward_backward(const int32_t* inputs, const int32_t* 
   const std::vector<int64_t> segments = document_segments(cu_seqlens, B, T, "lineage model");
   const float eps = config_.norm_eps;
   std::vector<float> h(rows * d), tmp(rows * d);
-  for (int64_t r = 0; r < rows; ++r) {
-    require(inputs[r] >= 0 && inputs[r] < V, "token id out of the vocabulary");
-    std::copy_n(embed_->value.f32() + int64_t(inputs[r]) * d, d, &h[r * d]);
-  }
+  embedding_forward(embed_->value.f32(), V, d, inputs, rows, h.data(), "lineage model");
   for (auto& blk : blocks_) {
     Block& b = *blk;
     b.h_in = h;
@@ -231,9 +228,8 @@ StepResult LineageModel::forward_backward(const int32_t* inputs, const int32_t* 
                     b.W1->grad.f32());
     linear_backward(b.b.data(), db.data(), rows, d, b.W3->value.f32(), F, dbn.data(),
                     b.W3->grad.f32(), true);
-    rms_norm_backward(b.h_mid.data(), dbn.data(), rows, d, b.norm2->value.f32(), b.inv2.data(),
-                      dtmp.data(), b.norm2->grad.f32());
-    for (int64_t i = 0; i < rows * d; ++i) dh[i] += dtmp[i];
+    residual_rms_norm_backward(b.h_mid.data(), dbn.data(), rows, d, b.norm2->value.f32(),
+                               b.inv2.data(), b.norm2->grad.f32(), dh.data(), dtmp.data());
     // mixer: h_mid = h_in + mixer(norm1(h_in))
     std::vector<float> dan(rows * d);
     if (b.mla) {
@@ -241,13 +237,10 @@ StepResult LineageModel::forward_backward(const int32_t* inputs, const int32_t* 
     } else {
       b.mixer->backward(dh.data(), dan.data());
     }
-    rms_norm_backward(b.h_in.data(), dan.data(), rows, d, b.norm1->value.f32(), b.inv1.data(),
-                      dtmp.data(), b.norm1->grad.f32());
-    for (int64_t i = 0; i < rows * d; ++i) dh[i] += dtmp[i];
+    residual_rms_norm_backward(b.h_in.data(), dan.data(), rows, d, b.norm1->value.f32(),
+                               b.inv1.data(), b.norm1->grad.f32(), dh.data(), dtmp.data());
   }
-  float* dE = embed_->grad.f32();
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < d; ++i) dE[int64_t(inputs[r]) * d + i] += dh[r * d + i];
+  embedding_backward(inputs, dh.data(), rows, d, embed_->grad.f32());
   return result;
 }
 
