@@ -25,7 +25,8 @@ void print_usage() {
       "Writes OUT_DIR/config.json (IN_DIR's, without its \"training\" object),\n"
       "OUT_DIR/model.safetensors (every tensor of IN_DIR, converted; default bf16) and copies\n"
       "the tokenizer files IN_DIR holds (tiktoken.model, vocab.json + merges.txt, encoder.json +\n"
-      "vocab.bpe, tokenizer_config.json). `kda run -m OUT_DIR` and transformers load the result.");
+      "vocab.bpe, tokenizer_config.json). `kda run -m OUT_DIR` loads the result (transformers' "
+      "tensor names and config keys).");
 }
 
 }  // namespace
