@@ -35,9 +35,13 @@ int64_t mla_params(const KimiLinearConfig& c) {
          H * c.v_head_dim * D;
 }
 
+// 49.12B, or 8.37M below a billion
 std::string billions(int64_t n) {
   char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.2fB", double(n) / 1e9);
+  if (n >= 1000000000)
+    std::snprintf(buf, sizeof(buf), "%.2fB", double(n) / 1e9);
+  else
+    std::snprintf(buf, sizeof(buf), "%.2fM", double(n) / 1e6);
   return buf;
 }
 
