@@ -123,6 +123,13 @@ LineageModel::LineageModel(const LineageConfig& config, uint64_t seed) : config_
       if (kind == MixerKind::delta || kind == MixerKind::gated_delta || kind == MixerKind::kda) {
         w.Wb = add(pre + "mixer.b", {H, d}, true);
         normal(w.Wb, sd);
+        // torch's Conv1d default: uniform(+-1/sqrt(kernel width))
+        const float bound = 1.0f / std::sqrt(float(kShortConvWidth));
+        w.q_conv = add(pre + "mixer.q_conv", {inner, 1, kShortConvWidth}, false);
+        w.k_conv = add(pre + "mixer.k_conv", {inner, 1, kShortConvWidth}, false);
+        w.v_conv = add(pre + "mixer.v_conv", {inner, 1, kShortConvWidth}, false);
+        for (Param* p : {w.q_conv, w.k_conv, w.v_conv})
+          rng.fill_uniform(p->value.span_f32(), -bound, bound);
       }
       if (kind == MixerKind::gated_delta || kind == MixerKind::kda) {
         const int64_t gw = kind == MixerKind::kda ? inner : H;

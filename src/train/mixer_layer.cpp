@@ -1,12 +1,11 @@
 #include "train/mixer_layer.h"
 
-#include "core/error.h"
-
 #include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
 #include "ops/attention/attention.h"
+#include "ops/conv1d/conv1d.h"
 #include "ops/delta_rule/delta_rule.h"
 #include "ops/kda/kda.h"
 #include "ops/kda/kda_activations.h"
@@ -69,6 +68,22 @@ void MixerLayer::forward(const float* x, int64_t B, int64_t T, float* y,
   linear_forward(x, rows, d_, w_.Wq->value.f32(), inner, q_.data());
   linear_forward(x, rows, d_, w_.Wk->value.f32(), inner, k_.data());
   linear_forward(x, rows, d_, w_.Wv->value.f32(), inner, v_.data());
+  if (w_.q_conv) {  // causal short convolution + SiLU on q, k, v, per sequence
+    segments_ = document_segments(cu_seqlens_, B, T, "mixer layer");
+    float* qkv[3] = {q_.data(), k_.data(), v_.data()};
+    const Param* conv[3] = {w_.q_conv, w_.k_conv, w_.v_conv};
+    std::vector<float> window(size_t((kShortConvWidth - 1) * inner));
+    for (int part = 0; part < 3; ++part) {
+      pre_conv_[part].assign(qkv[part], qkv[part] + rows * inner);
+      for (size_t s = 0; s + 1 < segments_.size(); ++s) {
+        const int64_t t0 = segments_[s], len = segments_[s + 1] - t0;
+        std::fill(window.begin(), window.end(), 0.0f);
+        ops::short_conv_silu_forward(pre_conv_[part].data() + t0 * inner, len, inner, inner,
+                                     conv[part]->value.f32(), kShortConvWidth, window.data(),
+                                     qkv[part] + t0 * inner);
+      }
+    }
+  }
   if (w_.Wb) {
     braw_.resize(rows * H_);
     linear_forward(x, rows, d_, w_.Wb->value.f32(), H_, braw_.data());
@@ -234,6 +249,21 @@ void MixerLayer::backward(const float* dy, float* dx) {
     }
     case MixerKind::mla:
       throw Error("MixerLayer: MLA layers run through KimiMlaTrainLayer");
+  }
+  if (w_.q_conv) {  // back through the short convolutions: dq, dk, dv become pre-conv
+    float* d[3] = {dq.data(), dk.data(), dv.data()};
+    Param* conv[3] = {w_.q_conv, w_.k_conv, w_.v_conv};
+    std::vector<float> d_pre(rows * inner);
+    for (int part = 0; part < 3; ++part) {
+      for (size_t s = 0; s + 1 < segments_.size(); ++s) {
+        const int64_t t0 = segments_[s], len = segments_[s + 1] - t0;
+        ops::short_conv_silu_backward(pre_conv_[part].data() + t0 * inner, len, inner, inner,
+                                      conv[part]->value.f32(), kShortConvWidth,
+                                      d[part] + t0 * inner, d_pre.data() + t0 * inner, inner,
+                                      conv[part]->grad.f32());
+      }
+      std::copy(d_pre.begin(), d_pre.end(), d[part]);
+    }
   }
   const float* x = x_.data();
   linear_backward(x, dq.data(), rows, d_, w_.Wq->value.f32(), inner, dx, w_.Wq->grad.f32());

@@ -13,7 +13,13 @@ struct MixerWeights {
   Param* Wb = nullptr;                         // beta projection [H, d] (delta family)
   Param* Wg = nullptr;                         // gate projection [H, d] or [H * dh, d]
   Param *A_log = nullptr, *dt_bias = nullptr;  // gate parameters
+  // short convolutions [inner, 1, kShortConvWidth] on q, k, v (delta family), or all null
+  Param *q_conv = nullptr, *k_conv = nullptr, *v_conv = nullptr;
 };
+
+// The delta-rule layers' causal short convolution (fla's ShortConvolution, kernel 4), followed
+// by SiLU, as DeltaNet, Gated DeltaNet and KDA layers apply it to q, k and v.
+constexpr int64_t kShortConvWidth = 4;
 
 class MixerLayer {
  public:
@@ -40,6 +46,9 @@ class MixerLayer {
   std::vector<float> x_, q_, k_, v_, braw_, graw_, o_, lse_;
   // delta / gated delta: activated inputs
   std::vector<float> qn_, kn_, beta_, g_;
+  // short convolution: q, k, v before it, and the sequences it runs over
+  std::vector<float> pre_conv_[3];
+  std::vector<int64_t> segments_;
 };
 
 }  // namespace kda::train
