@@ -1,6 +1,7 @@
 // A small language model of the lineage family for training on the CPU: token embedding, then
 // per layer a pre-norm token mixer (one of softmax attention, linear attention, DeltaNet, Gated
-// DeltaNet, KDA, chosen per layer by a pattern such as "KKKA") and a pre-norm SwiGLU MLP, a
+// DeltaNet, KDA (these three with fla's short convolution on q, k, v), NoPE MLA, chosen per
+// layer by a pattern such as "KKKA") and a pre-norm SwiGLU MLP, a
 // final RMSNorm and an untied LM head. Forward keeps what the backward needs; backward fills
 // every parameter's gradient through the ops' own backward passes.
 #pragma once

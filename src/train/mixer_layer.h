@@ -1,4 +1,6 @@
-// One token-mixer sub-layer of a lineage model: projections in, the mixer op, projection out.
+// One token-mixer sub-layer of a lineage model: projections in, (for the delta-rule family) a
+// causal short convolution + SiLU on q, k and v as fla's layers have, the mixer op, projection
+// out.
 #pragma once
 #include <cstdint>
 #include <span>
