@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# One run on the GPU machine: configure (cmake --preset gpu, Ninja), build kda_gpu_check,
-# run the correctness checks against the CPU references, benchmark our kernels, run
-# compute-sanitizer (memcheck, racecheck) on one small case, time fla on the same shapes (when
-# gpu_carry/fla is present), and print the table last.
+# One run on the GPU machine: configure (cmake --preset gpu, Ninja), build kda_gpu_check and
+# kda_gpu_model, run the model path (kda_gpu_model: layer kernels, attention, MoE, the fixture
+# models through CUDA, then prefill / decode of a Kimi-Linear-shaped model), run the delta-rule
+# kernels' checks against the CPU references, benchmark them, run compute-sanitizer (memcheck,
+# racecheck) on one small case, time fla on the same shapes (when gpu_carry/fla is present), and
+# print the table last. Fixture models come from gpu_carry/shared/models (a copy of
+# ../shared/fixtures/models without grads/; ../shared does not travel).
 #
-#   scripts/gpu_run.sh [--check-only | --bench-only | --no-fla]
+#   scripts/gpu_run.sh [--check-only | --bench-only | --no-fla | --model]
 #
-# --no-fla: check, bench and compute-sanitizer, without timing fla (a quicker call).
+# --no-fla: everything but timing fla (a quicker call).
+# --model:  the model path (checks + benchmarks) and the delta-rule kernels' checks only.
 #
 # Logs and tables go to $OUT when set (the device tool's output folder), else out/gpu/.
 # Exit status: non-zero if the build fails or any check fails.
@@ -35,7 +39,8 @@ else
     tail -40 "$log_dir/configure.log"
     exit 1
   fi
-  if ! cmake --build build-gpu --target kda_gpu_check -j "$(nproc)" >"$log_dir/build.log" 2>&1; then
+  if ! cmake --build build-gpu --target kda_gpu_check kda_gpu_model -j "$(nproc)" \
+    >"$log_dir/build.log" 2>&1; then
     grep -E "error|warning" -A3 "$log_dir/build.log" | head -60
     exit 1
   fi
@@ -49,17 +54,33 @@ if command -v cuobjdump >/dev/null; then
     grep -E "chunk_state_kernel|decode_kernel|chunk_prepare_kernel" | cut -c1-150 | sort -u
 fi
 
+model_status=0
+if [ "$mode" != "--bench-only" ] && [ -x ./build-gpu/bin/kda_gpu_model ]; then
+  model_args=(--check --shared gpu_carry/shared)
+  [ "$mode" != "--check-only" ] && model_args+=(--bench)
+  echo "== kda_gpu_model ${model_args[*]}"
+  timeout 300 ./build-gpu/bin/kda_gpu_model "${model_args[@]}" 2>&1 | tee "$log_dir/model.log" |
+    grep -v "^CHECK.*PASS"
+  model_status=${PIPESTATUS[0]}
+  echo "model path: exit $model_status ($(grep -c "^CHECK.*PASS" "$log_dir/model.log") checks pass)"
+fi
+
 args=(--out "$log_dir/ours.tsv")
 case "$mode" in
   --check-only) args+=(--check) ;;
   --bench-only) args+=(--bench) ;;
   --no-fla) args+=(--check --bench) ;;
+  --model) args+=(--check) ;;
   *) args+=(--check --bench) ;;
 esac
 echo "== kda_gpu_check ${args[*]}"
 timeout 420 "$bin" "${args[@]}" 2>&1 | tee "$log_dir/check_bench.log"
 status=${PIPESTATUS[0]}
-[ "$mode" = "--check-only" ] && exit "$status"
+[ "$model_status" -ne 0 ] && status=$model_status
+if [ "$mode" = "--check-only" ] || [ "$mode" = "--model" ]; then
+  grep "^BENCH" "$log_dir/model.log" 2>/dev/null
+  exit "$status"
+fi
 
 echo "== compute-sanitizer (one small forward + backward; memcheck, then racecheck)"
 if command -v compute-sanitizer >/dev/null; then

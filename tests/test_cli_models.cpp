@@ -165,12 +165,24 @@ TEST(CliModels, RunRejectsBadFlags) {
       {model, "-p TEXT or --ids"},
       {"run --ids 1", "-m DIR"},
       {"run -m /nonexistent/folder --ids 1", "/nonexistent/folder"},
+      {model + " --ids 1,2 --device tpu", "expected cpu or cuda"},
+      {model + " --ids 1,2 --dtype fp8", "expected bf16 or fp32"},
   };
   for (const auto& [args, needle] : cases) {
     const Result r = run_kda(args);
     EXPECT_EQ(r.exit_code, 1) << args << "\n" << r.out;
     EXPECT_NE(r.out.find(needle), std::string::npos) << args << "\n" << r.out;
   }
+}
+
+// Without a GPU (CI), --device cuda must end in a clear error, not a crash; with one, it runs.
+TEST(CliModels, RunOnCudaWithoutAGpuFailsCleanly) {
+  const Result r = run_kda("run -m '" + kFixture + "' --ids 1,2,3 -n 3 --device cuda");
+  if (r.exit_code == 0) GTEST_SKIP() << "a GPU is present: " << r.out;
+  EXPECT_EQ(r.exit_code, 1) << r.out;
+  const bool explained =
+      r.out.find("CUDA") != std::string::npos || r.out.find("cuda") != std::string::npos;
+  EXPECT_TRUE(explained) << r.out;
 }
 
 TEST(CliModels, InfoOnFolderAndBareConfig) {

@@ -8,6 +8,7 @@
 
 #include "apps/bench_util.h"
 #include "apps/commands.h"
+#include "apps/model_device.h"
 #include "core/error.h"
 #include "core/timer.h"
 #include "model/causal_lm.h"
@@ -20,7 +21,7 @@ namespace {
 void print_usage() {
   std::puts(
       "usage: kda run -m DIR (-p TEXT | --ids 1,2,3) [-n N] [--temp T] [--top-k K] [--top-p P]\n"
-      "               [--seed S] [--chat] [--ctx N]\n"
+      "               [--seed S] [--chat] [--ctx N] [--device cpu|cuda] [--dtype bf16|fp32]\n"
       "\n"
       "  -m DIR       model folder (config.json + model.safetensors or a sharded index)\n"
       "  -p TEXT      prompt, encoded with the folder's tokenizer; echoed, then continued\n"
@@ -34,6 +35,9 @@ void print_usage() {
       "  --seed S     random seed (default 0); a seed reproduces a run exactly\n"
       "  --chat       wrap the prompt as one user message in the tokenizer's chat template\n"
       "  --ctx N      context limit in tokens, prompt included (default: the model's maximum)\n"
+      "  --device D   cpu (default) or cuda (builds with CUDA: weights, states and caches on\n"
+      "               the GPU)\n"
+      "  --dtype T    CUDA weights: bf16 (default) or fp32 (exact to fp32 rounding)\n"
       "\n"
       "Ends with a stats line on stderr: prompt and decode tokens/s, memory held (weights,\n"
       "fixed KDA/conv state, MLA/KV cache).");
@@ -47,6 +51,7 @@ struct RunOptions {
   runtime::SamplingParams sampling;
   bool chat = false;
   int64_t context = 0;
+  ModelDevice device;
 };
 
 double parse_double(const std::string& text, const std::string& flag) {
@@ -103,6 +108,10 @@ RunOptions parse_options(const Args& args) {
       o.sampling.seed = uint64_t(seed);
     } else if (a == "--chat") {
       o.chat = true;
+    } else if (a == "--device") {
+      parse_device(flag_value(args, i), o.device);
+    } else if (a == "--dtype") {
+      parse_dtype(flag_value(args, i), o.device);
     } else if (a == "--ctx") {
       o.context = parse_int(flag_value(args, i), a);
       require(o.context >= 1, "option --ctx must be at least 1");
@@ -160,7 +169,7 @@ int cmd_run(const Args& args) {
     return args.empty() ? 2 : 0;
   }
   const RunOptions o = parse_options(args);
-  const std::unique_ptr<model::CausalLM> lm = model::load_causal_lm(o.model_dir);
+  const std::unique_ptr<model::CausalLM> lm = load_model_on(o.model_dir, o.device);
 
   std::unique_ptr<tokenizer::Tokenizer> tok;
   std::vector<int32_t> prompt;

@@ -58,8 +58,8 @@ bool is_model_fixture(const std::string& path) {
          fs::exists(fs::path(path) / "reference.safetensors");
 }
 
-FixtureReport check_model_folder(const std::string& path) {
-  const std::unique_ptr<model::CausalLM> lm = model::load_causal_lm(path);
+FixtureReport check_model_folder(const std::string& path, const ModelLoader& load) {
+  const std::unique_ptr<model::CausalLM> lm = load ? load(path) : model::load_causal_lm(path);
   const Fixture fx((fs::path(path) / "reference.safetensors").string());
   const int64_t V = lm->vocab_size();
   FixtureReport report;
@@ -117,7 +117,7 @@ FixtureReport check_model_folder(const std::string& path) {
 
   // Gradients of the loss with respect to every weight, when the folder has grads/.
   const fs::path grads_path = fs::path(path) / "grads" / "model.safetensors";
-  if (fs::exists(grads_path) && N >= 2) {
+  if (fs::exists(grads_path) && N >= 2 && !load) {
     const std::unique_ptr<train::TrainableModel> model = train::load_trainable(path);
     std::vector<int32_t> targets(ids.begin() + 1, ids.end());
     targets.push_back(-1);

@@ -5,8 +5,11 @@
 // loss and every weight's gradient through the training model (<= 1e-3 relative per tensor).
 // Rows reuse FixtureReport.
 #pragma once
+#include <functional>
+#include <memory>
 #include <string>
 
+#include "model/causal_lm.h"
 #include "verify/op_fixture.h"
 
 namespace kda::verify {
@@ -17,6 +20,9 @@ constexpr double kModelGradientTolerance = 1e-3;
 
 // True when `path` is a folder with config.json and reference.safetensors.
 bool is_model_fixture(const std::string& path);
-FixtureReport check_model_folder(const std::string& path);
+// `load` picks the model's device (default: model::load_causal_lm, the CPU). The gradient check
+// (grads/) runs only with the default loader: training runs on the CPU.
+using ModelLoader = std::function<std::unique_ptr<model::CausalLM>(const std::string&)>;
+FixtureReport check_model_folder(const std::string& path, const ModelLoader& load = {});
 
 }  // namespace kda::verify

@@ -15,12 +15,11 @@
 #include <cstdint>
 #include <span>
 
+#include "ops/common/device_types.h"
 #include "ops/delta_rule/delta_rule.h"
 #include "ops/kda/kda.h"
 
 namespace kda::ops::cuda {
-
-enum class ElementType { f32, bf16 };
 
 // A KDA layer's in-kernel options, as fla's chunk_kda(use_qk_l2norm_in_kernel,
 // use_gate_in_kernel, use_beta_sigmoid_in_kernel) and kda.h's KdaOptions apply them. The bf16
@@ -61,7 +60,8 @@ struct DeltaRuleDeviceInputs {
 
 // Chunked forward (C = 64). bf16 inputs run the tensor-core path (bf16 products, fp32
 // accumulation, fp32 gate sums / solve / state; fla's precision). fp32 inputs run the fp32
-// recurrent kernel instead (exact to fp32 rounding). Supported: K, V in {64, 128} for bf16.
+// recurrent kernel instead (exact to fp32 rounding; K in {32, 64, 128}). Supported: K, V in
+// {64, 128} for bf16.
 //
 // KDA gate precondition (bf16 path): within each aligned 16-token block of a chunk the decay
 // of a channel must not exceed exp(-80) (sum of 15 consecutive g > -80). Gates bounded by
@@ -114,8 +114,8 @@ void chunk_backward(const DeltaRuleDeviceInputs& in, const void* d_o, const floa
                     cudaStream_t stream);
 
 // The recurrence token by token (one block per sequence, value head and 32-column tile of the
-// state): fp32 arithmetic throughout. Any K in {64, 128}, V a multiple of 32. `workspace` as for
-// chunk_forward, of recurrent_forward_workspace_bytes(...) bytes (it holds the sequence table).
+// state): fp32 arithmetic throughout. Any K in {32, 64, 128}, V a multiple of 32. `workspace` as
+// for chunk_forward, of recurrent_forward_workspace_bytes(...) bytes (it holds the sequence table).
 size_t recurrent_forward_workspace_bytes(std::span<const int64_t> cu_seqlens);
 void recurrent_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void* workspace,
                        size_t workspace_bytes, cudaStream_t stream);

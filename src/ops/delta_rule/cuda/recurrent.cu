@@ -47,6 +47,19 @@ struct RecurrentParams {
   float scale;
 };
 
+// R consecutive values of one thread's rows (R = K / 16: 8, 4, or 2 for K = 32).
+template <int R, class T>
+__device__ __forceinline__ void load_rows(const T* p, float out[R]) {
+  if constexpr (R == 8) {
+    load8(p, out);
+  } else if constexpr (R == 4) {
+    load4(p, out);
+  } else {
+#pragma unroll
+    for (int r = 0; r < R; ++r) out[r] = to_f32(p[r]);
+  }
+}
+
 template <class Tin, Gate GATE, int K, bool DECODE>
 __global__ void __launch_bounds__(kThreads, DECODE ? 8 : 1)
     recurrent_kernel(const RecurrentParams p) {
@@ -95,22 +108,14 @@ __global__ void __launch_bounds__(kThreads, DECODE ? 8 : 1)
     const int64_t tok = bos + t;
     float kr[R], qr[R], vr[4];
     const size_t qk_off = (size_t(tok) * p.H + h) * K + row0;
-    if constexpr (R == 8) {
-      load8(k + qk_off, kr);
-      load8(q + qk_off, qr);
-    } else {
-      load4(k + qk_off, kr);
-      load4(q + qk_off, qr);
-    }
+    load_rows<R>(k + qk_off, kr);
+    load_rows<R>(q + qk_off, qr);
     load4(v + (size_t(tok) * p.HV + hv) * p.V + col, vr);
     const float b = to_f32(beta[size_t(tok) * p.HV + hv]);
     if constexpr (GATE == Gate::channel) {
       float gr[R];
       const size_t g_off = (size_t(tok) * p.HV + hv) * K + row0;
-      if constexpr (R == 8)
-        load8(g + g_off, gr);
-      else
-        load4(g + g_off, gr);
+      load_rows<R>(g + g_off, gr);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const float decay = fast_exp2(gr[r] * kLog2e);
@@ -195,8 +200,10 @@ template <class Tin, Gate GATE, bool DECODE>
 void launch_for_k(int K, dim3 grid, const RecurrentParams& p, bool overlap, cudaStream_t stream) {
   if (K == 128)
     launch_kernel<Tin, GATE, 128, DECODE>(grid, p, overlap, stream);
-  else
+  else if (K == 64)
     launch_kernel<Tin, GATE, 64, DECODE>(grid, p, overlap, stream);
+  else
+    launch_kernel<Tin, GATE, 32, DECODE>(grid, p, overlap, stream);
 }
 
 template <class Tin, bool DECODE>
@@ -219,8 +226,8 @@ void launch_for_gate(Gate gate, int K, dim3 grid, const RecurrentParams& p, bool
 void launch_recurrent(const DeltaRuleShape& s, ElementType dtype, int64_t num_seqs,
                       const RecurrentParams& p, cudaStream_t stream, bool decode = false,
                       bool overlap = false) {
-  require(s.K == 64 || s.K == 128,
-          "delta rule (cuda recurrent): K must be 64 or 128, got " + std::to_string(s.K));
+  require(s.K == 32 || s.K == 64 || s.K == 128,
+          "delta rule (cuda recurrent): K must be 32, 64 or 128, got " + std::to_string(s.K));
   require(s.V % kTile == 0 && s.V >= kTile,
           "delta rule (cuda recurrent): V must be a multiple of 32, got " + std::to_string(s.V));
   require(num_seqs <= 65535, "delta rule (cuda recurrent): at most 65535 sequences per call");

@@ -1,0 +1,357 @@
+// Suite "attention": the CUDA causal attention op (ops/attention/cuda/attention_cuda.h) against a
+// float64 host reference computed on the inputs the device sees (bf16-rounded for bf16). Every
+// case runs in fp32 (the plain kernel, or the split decode with the plain kernel; held to 1e-5)
+// and bf16 (tensor-core prefill for Tq >= 16, tensor-core split decode for small Tq, the plain
+// kernel for layouts they do not take; held to 1e-2). o is poisoned before each call.
+// Cases: Tq = Tk = 1; prefill not a multiple of the tiles (65, 300); chunked prefill and decode of
+// a few tokens with q_offset; a cache longer than what the queries see; MLA absorbed decode (MQA
+// Hq = 32 / 64, Dk = 576, Dv = 512, v aliasing k); GPT-2, Kimi MLA-expanded prefill and the tiny
+// model's shapes; grouped heads; strided q (aligned and not); head dims not a multiple of 8.
+// Timings (--bench): prefill H = 32, Dk = 192, Dv = 128 at T = 4096, 16384 (TFLOP/s); MLA
+// decode (Hq = 32, Hkv = 1, Dk = 576, Dv = 512) at Tk = 4096, 32768, 131072 (cache read GB/s).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "bench/gpu/model/gpu_suite.h"
+#include "core/parallel.h"
+#include "ops/attention/cuda/attention_cuda.h"
+
+namespace kda::gpu_check {
+namespace {
+
+namespace cu = ops::cuda;
+
+uint64_t fresh_seed() {
+  static uint64_t next = 0xa77e57ull;
+  return next++;
+}
+
+struct Case {
+  std::string name;
+  int64_t Tq = 1, Tk = 1, Hq = 1, Hkv = 1, Dk = 64, Dv = 64, q_offset = 0;
+  int64_t q_pad = 0;     // q_row_stride = Hq * Dk + q_pad (0: dense)
+  bool v_alias = false;  // v = the first Dv values of each k row (Hkv = 1)
+};
+
+// The element strides the op sees.
+struct Strides {
+  int64_t q, k, v;
+};
+Strides strides_of(const Case& c) {
+  Strides s;
+  s.q = c.Hq * c.Dk + c.q_pad;
+  s.k = c.Hkv * c.Dk;
+  s.v = c.v_alias ? s.k : c.Hkv * c.Dv;
+  return s;
+}
+
+// o [Tq, Hq, Dv] in float64: query t (position q_offset + t) over keys 0 .. q_offset + t.
+std::vector<double> reference(const Case& c, const std::vector<double>& q,
+                              const std::vector<double>& k, const std::vector<double>& v,
+                              double scale) {
+  const Strides st = strides_of(c);
+  const int64_t group = c.Hq / c.Hkv;
+  std::vector<double> o(size_t(c.Tq * c.Hq * c.Dv));
+  parallel_for(c.Tq * c.Hq, [&](int64_t row) {
+    const int64_t t = row / c.Hq, h = row % c.Hq, kvh = h / group;
+    const int64_t n = c.q_offset + t + 1;
+    std::vector<double> s(static_cast<size_t>(n));
+    double mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) {
+      double dot = 0;
+      for (int64_t d = 0; d < c.Dk; ++d)
+        dot += q[t * st.q + h * c.Dk + d] * k[j * st.k + kvh * c.Dk + d];
+      s[j] = scale * dot;
+      mx = std::max(mx, s[j]);
+    }
+    double sum = 0;
+    for (int64_t j = 0; j < n; ++j) sum += (s[j] = std::exp(s[j] - mx));
+    double* out = o.data() + row * c.Dv;
+    for (int64_t d = 0; d < c.Dv; ++d) out[d] = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const double w = s[j] / sum;
+      const double* vr = v.data() + j * st.v + kvh * c.Dv;
+      for (int64_t d = 0; d < c.Dv; ++d) out[d] += w * vr[d];
+    }
+  });
+  return o;
+}
+
+struct Inputs {
+  DeviceArray q, k, v;
+  cu::AttentionArgs args;
+};
+
+Inputs make_inputs(const Case& c, ElementType type) {
+  const Strides st = strides_of(c);
+  Inputs in;
+  in.q = to_device(random_values(size_t(c.Tq * st.q), fresh_seed(), 2.f), type);
+  in.k = to_device(random_values(size_t(c.Tk * st.k), fresh_seed()), type);
+  if (!c.v_alias) in.v = to_device(random_values(size_t(c.Tk * st.v), fresh_seed()), type);
+  cu::AttentionArgs& a = in.args;
+  a.dtype = type;
+  a.Tq = c.Tq;
+  a.Tk = c.Tk;
+  a.Hq = c.Hq;
+  a.Hkv = c.Hkv;
+  a.Dk = c.Dk;
+  a.Dv = c.Dv;
+  a.q = in.q.data();
+  a.k = in.k.data();
+  a.v = c.v_alias ? in.k.data() : in.v.data();
+  a.q_row_stride = c.q_pad ? st.q : 0;
+  a.k_row_stride = 0;
+  a.v_row_stride = c.v_alias ? st.v : 0;
+  a.q_offset = c.q_offset;
+  return in;
+}
+
+void run_case(const Case& c, ElementType type, Tally& tally) {
+  Inputs in = make_inputs(c, type);
+  DeviceBuffer o(size_t(c.Tq * c.Hq * c.Dv) * sizeof(float));
+  poison(o.data(), o.bytes());
+  in.args.o = o.as<float>();
+  DeviceBuffer workspace(cu::attention_workspace_bytes(in.args));
+  cu::attention_forward(in.args, workspace.data(), workspace.bytes(), nullptr);
+  cu::check_cuda(cudaDeviceSynchronize(), "attention check");
+  const std::vector<double> got =
+      from_device(o.data(), size_t(c.Tq * c.Hq * c.Dv), ElementType::f32);
+  const std::vector<double>& vref = c.v_alias ? in.k.rounded : in.v.rounded;
+  const std::vector<double> want =
+      reference(c, in.q.rounded, in.k.rounded, vref, 1.0 / std::sqrt(double(c.Dk)));
+  const bool f32 = type == ElementType::f32;
+  report(tally, "attention " + c.name + (f32 ? " f32" : " bf16"), rel_error(got, want),
+         f32 ? 1e-5 : 1e-2);
+}
+
+std::vector<Case> check_cases() {
+  std::vector<Case> cases;
+  auto add = [&](Case c) { cases.push_back(c); };
+  add({.name = "Tq=Tk=1 Hq=4 Hkv=2 D=64", .Tq = 1, .Tk = 1, .Hq = 4, .Hkv = 2});
+  add({.name = "prefill T=65 H=2 D=128",
+       .Tq = 65,
+       .Tk = 65,
+       .Hq = 2,
+       .Hkv = 2,
+       .Dk = 128,
+       .Dv = 128});
+  add({.name = "prefill T=300 H=3 D=128",
+       .Tq = 300,
+       .Tk = 300,
+       .Hq = 3,
+       .Hkv = 3,
+       .Dk = 128,
+       .Dv = 128});
+  add({.name = "chunked prefill Tq=100 q_offset=50",
+       .Tq = 100,
+       .Tk = 150,
+       .Hq = 4,
+       .Hkv = 2,
+       .q_offset = 50});
+  add({.name = "decode Tq=5 q_offset=200 Tk=205",
+       .Tq = 5,
+       .Tk = 205,
+       .Hq = 4,
+       .Hkv = 4,
+       .q_offset = 200});
+  add({.name = "decode Tq=3 q_offset=100 Tk=300 (longer cache)",
+       .Tq = 3,
+       .Tk = 300,
+       .Hq = 2,
+       .Hkv = 1,
+       .q_offset = 100});
+  add({.name = "MLA decode Tq=1 Tk=5000 Hq=32 Hkv=1 576/512 v=k",
+       .Tq = 1,
+       .Tk = 5000,
+       .Hq = 32,
+       .Hkv = 1,
+       .Dk = 576,
+       .Dv = 512,
+       .q_offset = 4999,
+       .v_alias = true});
+  add({.name = "MLA decode Tq=4 Tk=1000 Hq=64 Hkv=1 576/512 v=k",
+       .Tq = 4,
+       .Tk = 1000,
+       .Hq = 64,
+       .Hkv = 1,
+       .Dk = 576,
+       .Dv = 512,
+       .q_offset = 996,
+       .v_alias = true});
+  add({.name = "MLA absorbed Tq=20 Tk=40 Hq=2 576/512 v=k",
+       .Tq = 20,
+       .Tk = 40,
+       .Hq = 2,
+       .Hkv = 1,
+       .Dk = 576,
+       .Dv = 512,
+       .q_offset = 20,
+       .v_alias = true});
+  add({.name = "decode Tq=12 q_offset=500 Tk=512 Hq=8 Hkv=1 D=64 (3 row groups)",
+       .Tq = 12,
+       .Tk = 512,
+       .Hq = 8,
+       .Hkv = 1,
+       .q_offset = 500});
+  add({.name = "GPT-2 prefill T=300 H=12 D=64", .Tq = 300, .Tk = 300, .Hq = 12, .Hkv = 12});
+  add({.name = "GPT-2 decode Tq=1 Tk=300 H=12 D=64",
+       .Tq = 1,
+       .Tk = 300,
+       .Hq = 12,
+       .Hkv = 12,
+       .q_offset = 299});
+  add({.name = "Kimi prefill T=1024 H=32 192/128",
+       .Tq = 1024,
+       .Tk = 1024,
+       .Hq = 32,
+       .Hkv = 32,
+       .Dk = 192,
+       .Dv = 128});
+  add({.name = "tiny prefill T=65 H=4 24/16",
+       .Tq = 65,
+       .Tk = 65,
+       .Hq = 4,
+       .Hkv = 4,
+       .Dk = 24,
+       .Dv = 16});
+  add({.name = "tiny decode Tq=1 Tk=65 H=4 24/16",
+       .Tq = 1,
+       .Tk = 65,
+       .Hq = 4,
+       .Hkv = 4,
+       .Dk = 24,
+       .Dv = 16,
+       .q_offset = 64});
+  add({.name = "GQA prefill T=200 Hq=8 Hkv=2 D=64", .Tq = 200, .Tk = 200, .Hq = 8, .Hkv = 2});
+  add({.name = "GQA decode Tq=2 Tk=700 Hq=8 Hkv=2 D=64",
+       .Tq = 2,
+       .Tk = 700,
+       .Hq = 8,
+       .Hkv = 2,
+       .q_offset = 698});
+  add({.name = "strided q (+8) prefill T=80 H=4 D=64",
+       .Tq = 80,
+       .Tk = 80,
+       .Hq = 4,
+       .Hkv = 4,
+       .q_pad = 8});
+  add({.name = "strided q (+3) prefill T=80 H=4 D=64",
+       .Tq = 80,
+       .Tk = 80,
+       .Hq = 4,
+       .Hkv = 4,
+       .q_pad = 3});
+  add({.name = "strided q (+8) decode Tq=1 Tk=90 H=4 D=64",
+       .Tq = 1,
+       .Tk = 90,
+       .Hq = 4,
+       .Hkv = 4,
+       .q_offset = 89,
+       .q_pad = 8});
+  add({.name = "prefill T=80 H=2 256/256",
+       .Tq = 80,
+       .Tk = 80,
+       .Hq = 2,
+       .Hkv = 2,
+       .Dk = 256,
+       .Dv = 256});
+  add({.name = "prefill T=70 H=2 20/12 (dims not x8)",
+       .Tq = 70,
+       .Tk = 70,
+       .Hq = 2,
+       .Hkv = 1,
+       .Dk = 20,
+       .Dv = 12});
+  add({.name = "decode Tq=1 Tk=70 H=2 20/12 (dims not x8)",
+       .Tq = 1,
+       .Tk = 70,
+       .Hq = 2,
+       .Hkv = 1,
+       .Dk = 20,
+       .Dv = 12,
+       .q_offset = 69});
+  return cases;
+}
+
+void check_bad_arguments(Tally& tally) {
+  cu::AttentionArgs a;
+  a.Tq = 4;
+  a.Tk = 3;  // < q_offset + Tq
+  a.Dk = a.Dv = 64;
+  bool threw = false;
+  try {
+    cu::attention_workspace_bytes(a);
+  } catch (const kda::Error&) {
+    threw = true;
+  }
+  report(tally, "attention rejects Tk < q_offset + Tq", threw ? 0.0 : 1.0, 0.0);
+}
+
+double median_ms(const cu::AttentionArgs& args, DeviceBuffer& workspace) {
+  return time_ms(
+      nullptr, [&] { cu::attention_forward(args, workspace.data(), workspace.bytes(), nullptr); });
+}
+
+void bench_prefill(int64_t T) {
+  Case c{.name = "bench", .Tq = T, .Tk = T, .Hq = 32, .Hkv = 32, .Dk = 192, .Dv = 128};
+  Inputs in = make_inputs(c, ElementType::bf16);
+  DeviceBuffer o(size_t(T * c.Hq * c.Dv) * sizeof(float));
+  in.args.o = o.as<float>();
+  DeviceBuffer workspace(cu::attention_workspace_bytes(in.args));
+  const double ms = median_ms(in.args, workspace);
+  const double flops = double(T) * double(T + 1) * double(c.Hq) * double(c.Dk + c.Dv);
+  std::printf("BENCH attention prefill bf16 T=%lld H=32 Dk=192 Dv=128: %.3f ms, %.1f TFLOP/s\n",
+              (long long)T, ms, flops / (ms * 1e-3) / 1e12);
+  std::fflush(stdout);
+}
+
+void bench_decode(const char* what, int64_t Tk, int64_t Hq, int64_t Hkv, int64_t Dk, int64_t Dv,
+                  bool v_alias) {
+  Case c{.name = "bench",
+         .Tq = 1,
+         .Tk = Tk,
+         .Hq = Hq,
+         .Hkv = Hkv,
+         .Dk = Dk,
+         .Dv = Dv,
+         .q_offset = Tk - 1,
+         .v_alias = v_alias};
+  Inputs in = make_inputs(c, ElementType::bf16);
+  DeviceBuffer o(size_t(c.Hq * c.Dv) * sizeof(float));
+  in.args.o = o.as<float>();
+  DeviceBuffer workspace(cu::attention_workspace_bytes(in.args));
+  const double ms = median_ms(in.args, workspace);
+  const double bytes = double(Tk) * double(Hkv) * double(v_alias ? Dk : Dk + Dv) * 2.0;
+  const double tbs = bytes / (ms * 1e-3) / 1e12;
+  std::printf(
+      "BENCH attention decode %s Tk=%lld Hq=%lld Hkv=%lld %lld/%lld: %.1f us, cache %.0f GB/s "
+      "(%.0f%% of 4.25 TB/s copy)\n",
+      what, (long long)Tk, (long long)Hq, (long long)Hkv, (long long)Dk, (long long)Dv, ms * 1e3,
+      tbs * 1e3, 100.0 * tbs / 4.25);
+  std::fflush(stdout);
+}
+
+void run_suite(const SuiteOptions& options, Tally& tally) {
+  if (options.check) {
+    for (const Case& c : check_cases()) {
+      run_case(c, ElementType::f32, tally);
+      run_case(c, ElementType::bf16, tally);
+    }
+    check_bad_arguments(tally);
+  }
+  if (options.bench) {
+    bench_prefill(4096);
+    bench_prefill(16384);
+    for (int64_t Tk : {4096, 32768, 131072}) bench_decode("MLA", Tk, 32, 1, 576, 512, true);
+    bench_decode("MLA", 32768, 64, 1, 576, 512, true);
+    bench_decode("GPT-2", 8192, 12, 12, 64, 64, false);
+  }
+}
+
+const bool registered = register_suite("attention", run_suite);
+
+}  // namespace
+}  // namespace kda::gpu_check

@@ -1,0 +1,302 @@
+// Kimi Linear on the GPU: embedding, the layer stack (kimi_cuda_{kda,mla,ffn}.cpp), the final norm
+// and the lm_head; per sequence a fixed-size KDA state and conv window per KDA layer and a
+// growing latent cache per MLA layer (capacity max_context rows), as model/kimi_linear.cpp.
+#include <algorithm>
+#include <string>
+
+#include "core/error.h"
+#include "model/cuda/cuda_models.h"
+#include "model/cuda/device_tensor.h"
+#include "model/cuda/kimi_cuda_blocks.h"
+#include "model/kimi_linear.h"
+#include "model/kimi_linear_blocks.h"
+#include "ops/nn/cuda/nn_cuda.h"
+
+namespace kda::model::cuda {
+namespace {
+
+namespace k = ops::cuda;
+
+struct DeviceLayer {
+  KimiMixer mixer = KimiMixer::kda;
+  DeviceBuffer input_norm, post_norm;  // fp32 [D]
+  KdaDeviceWeights kda;
+  MlaDeviceWeights mla;
+  FfnDeviceWeights ffn;
+};
+
+std::string layer_prefix(int64_t i) {
+  return "model.layers." + std::to_string(i) + ".";
+}
+
+class KimiLinearCuda;
+
+class KimiCudaSession final : public Session {
+ public:
+  KimiCudaSession(const KimiLinearCuda& model, int64_t max_context);
+  ~KimiCudaSession() override;
+  Tensor feed(std::span<const int32_t> ids) override { return run(ids, false); }
+  Tensor feed_last(std::span<const int32_t> ids) override { return run(ids, true); }
+  int64_t length() const override { return length_; }
+  int64_t max_context() const override { return max_context_; }
+  MemoryReport memory() const override;
+
+ private:
+  Tensor run(std::span<const int32_t> ids, bool last_only);
+
+  const KimiLinearCuda& model_;
+  int64_t length_ = 0, max_context_ = 0;
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<k::Gemm> gemm_;
+  std::unique_ptr<Context> ctx_;
+  std::vector<KdaDeviceState> kda_;        // per layer (empty for MLA layers)
+  std::vector<LatentDeviceCache> latent_;  // per layer (empty for KDA layers)
+};
+
+class KimiLinearCuda final : public CausalLM {
+ public:
+  KimiLinearCuda(const nlohmann::json& config, ElementType type)
+      : config_(KimiLinearConfig::parse(config)),
+        info_(describe_kimi_linear(config)),
+        type_(type) {}
+
+  void load(const ModelFolder& folder);
+  void randomize(uint64_t seed);
+
+  const ArchitectureInfo& info() const override { return info_; }
+  int64_t vocab_size() const override { return config_.vocab_size; }
+  int64_t weight_bytes() const override { return weight_bytes_; }
+  Tensor forward(std::span<const int32_t> ids) const override {
+    KimiCudaSession session(*this, std::max<int64_t>(1, int64_t(ids.size())));
+    return session.feed(ids);
+  }
+  std::unique_ptr<Session> start_session(int64_t max_context) const override {
+    return std::make_unique<KimiCudaSession>(*this, max_context);
+  }
+
+  const KimiLinearConfig& config() const { return config_; }
+  ElementType type() const { return type_; }
+  // Runs T tokens (already checked) through the stack: h [T, D] fp32 in ctx.s.h; returns the
+  // logits of the last `rows` tokens on the host.
+  Tensor run_layers(const int32_t* ids_device, int64_t T, int64_t rows,
+                    std::vector<KdaDeviceState>& kda, std::vector<LatentDeviceCache>& latent,
+                    Context& ctx) const;
+
+ private:
+  void count_weights();
+
+  KimiLinearConfig config_;
+  ArchitectureInfo info_;
+  ElementType type_;
+  DeviceBuffer embed_, final_norm_, lm_head_;
+  std::vector<DeviceLayer> layers_;
+  int64_t weight_bytes_ = 0;
+};
+
+void KimiLinearCuda::load(const ModelFolder& folder) {
+  // The CPU loader checks every name and shape first; its fp32 host weights are uploaded layer
+  // by layer so that host memory holds one layer at a time.
+  const KimiLinearConfig& c = config_;
+  const int64_t D = c.hidden_size;
+  kimi::TensorMap expected;
+  expected["model.embed_tokens.weight"] = {c.vocab_size, D};
+  expected["model.norm.weight"] = {D};
+  expected["lm_head.weight"] = {c.vocab_size, D};
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = layer_prefix(i);
+    expected[p + "input_layernorm.weight"] = {D};
+    expected[p + "post_attention_layernorm.weight"] = {D};
+    if (c.mixers[i] == KimiMixer::kda) {
+      kimi::expect_kda(c, p + "self_attn.", folder, expected);
+    } else {
+      kimi::expect_mla(c, p + "self_attn.", expected);
+    }
+    kimi::expect_ffn(c, i, p, folder, expected);
+  }
+  folder.check_tensors(expected);
+  embed_ = upload(folder.load("model.embed_tokens.weight", {c.vocab_size, D}), type_);
+  final_norm_ = upload(folder.load("model.norm.weight", {D}), ElementType::f32);
+  lm_head_ = upload(folder.load("lm_head.weight", {c.vocab_size, D}), type_);
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = layer_prefix(i);
+    DeviceLayer l;
+    l.mixer = c.mixers[i];
+    l.input_norm = upload(folder.load(p + "input_layernorm.weight", {D}), ElementType::f32);
+    l.post_norm = upload(folder.load(p + "post_attention_layernorm.weight", {D}), ElementType::f32);
+    if (l.mixer == KimiMixer::kda) {
+      l.kda = upload_kda(kimi::load_kda(c, p + "self_attn.", folder), type_);
+    } else {
+      l.mla = upload_mla(kimi::load_mla(c, p + "self_attn.", folder), type_);
+    }
+    l.ffn = upload_ffn(c, i, kimi::load_ffn(c, i, p, folder), type_);
+    layers_.push_back(std::move(l));
+  }
+  count_weights();
+}
+
+void KimiLinearCuda::randomize(uint64_t seed) {
+  const KimiLinearConfig& c = config_;
+  const int64_t D = c.hidden_size;
+  const std::vector<float> ones(size_t(D), 1.f);
+  embed_ = random_weights(c.vocab_size * D, type_, 1.f, seed);
+  final_norm_ = upload_f32(ones);
+  lm_head_ = random_weights(c.vocab_size * D, type_, 1.f / std::sqrt(float(D)), seed + 1);
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const uint64_t s = seed + 100 * uint64_t(i + 1);
+    DeviceLayer l;
+    l.mixer = c.mixers[i];
+    l.input_norm = upload_f32(ones);
+    l.post_norm = upload_f32(ones);
+    if (l.mixer == KimiMixer::kda) {
+      l.kda = random_kda(c, type_, s + 10);
+    } else {
+      l.mla = random_mla(c, type_, s + 20);
+    }
+    l.ffn = random_ffn(c, i, type_, s + 30);
+    layers_.push_back(std::move(l));
+  }
+  k::check_cuda(cudaDeviceSynchronize(), "synthetic weights");
+  count_weights();
+}
+
+void KimiLinearCuda::count_weights() {
+  auto bytes = [](const DeviceBuffer& b) { return int64_t(b.bytes()); };
+  weight_bytes_ = bytes(embed_) + bytes(final_norm_) + bytes(lm_head_);
+  for (const DeviceLayer& l : layers_) {
+    for (const DeviceBuffer* b : {&l.input_norm,         &l.post_norm,      &l.kda.in_proj,
+                                  &l.kda.conv,           &l.kda.f_b,        &l.kda.g_b,
+                                  &l.kda.A_log,          &l.kda.dt_bias,    &l.kda.o_norm,
+                                  &l.kda.o_proj,         &l.mla.q_proj,     &l.mla.q_a_proj,
+                                  &l.mla.q_a_layernorm,  &l.mla.kv_a,       &l.mla.kv_a_layernorm,
+                                  &l.mla.kv_b,           &l.mla.o_proj,     &l.ffn.gate_up,
+                                  &l.ffn.down,           &l.ffn.router,     &l.ffn.correction_bias,
+                                  &l.ffn.expert_gate_up, &l.ffn.expert_down}) {
+      weight_bytes_ += bytes(*b);
+    }
+  }
+}
+
+Tensor KimiLinearCuda::run_layers(const int32_t* ids_device, int64_t T, int64_t rows,
+                                  std::vector<KdaDeviceState>& kda,
+                                  std::vector<LatentDeviceCache>& latent, Context& ctx) const {
+  const KimiLinearConfig& c = config_;
+  const int64_t D = c.hidden_size, V = c.vocab_size;
+  const float eps = float(c.rms_norm_eps);
+  const cudaStream_t stream = ctx.stream();
+  auto& s = ctx.s;
+  float* h = take(s.h, T * D);
+  float* x32 = take(s.x32, T * D);
+  float* out = take(s.out, T * D);
+  void* xc = type_ == ElementType::f32 ? static_cast<void*>(x32)
+                                       : static_cast<void*>(take<char>(s.xc, T * D, 2));
+  k::embedding(ids_device, T, embed_.data(), nullptr, 0, type_, D, h, stream);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const DeviceLayer& l = layers_[i];
+    k::rms_norm(h, T, D, D, l.input_norm.as<float>(), eps, {xc, type_}, stream);
+    if (l.mixer == KimiMixer::kda) {
+      kda_forward(c, l.kda, xc, T, kda[i], out, ctx);
+    } else {
+      mla_forward(c, l.mla, xc, T, latent[i], out, ctx);
+    }
+    k::add_inplace(h, out, T * D, stream);
+    k::rms_norm(h, T, D, D, l.post_norm.as<float>(), eps, {x32}, stream);
+    if (type_ != ElementType::f32) k::convert(x32, ElementType::f32, xc, type_, T * D, stream);
+    ffn_forward(c, l.ffn, x32, xc, T, out, ctx);
+    k::add_inplace(h, out, T * D, stream);
+  }
+  k::rms_norm(h + (T - rows) * D, rows, D, D, final_norm_.as<float>(), eps, {xc, type_}, stream);
+  float* logits = take(s.logits, rows * V);
+  ctx.gemm.linear(type_, rows, V, D, {xc, D}, {lm_head_.data(), D}, {logits, ElementType::f32});
+  Tensor result(DType::f32, {rows, V});
+  k::check_cuda(
+      cudaMemcpyAsync(result.f32(), logits, size_t(rows * V) * 4, cudaMemcpyDeviceToHost, stream),
+      "cudaMemcpyAsync (logits)");
+  k::check_cuda(cudaStreamSynchronize(stream), "kimi_linear (cuda) forward");
+  return result;
+}
+
+KimiCudaSession::KimiCudaSession(const KimiLinearCuda& model, int64_t max_context) : model_(model) {
+  const KimiLinearConfig& c = model.config();
+  require(max_context >= 0, "kimi_linear (cuda): max_context must be non-negative");
+  max_context_ = max_context == 0 ? c.max_context : max_context;
+  k::check_cuda(cudaStreamCreate(&stream_), "cudaStreamCreate");
+  gemm_ = std::make_unique<k::Gemm>(stream_);
+  ctx_ = std::make_unique<Context>(Context{*gemm_, model.type(), {}});
+  kda_.resize(size_t(c.num_layers));
+  latent_.resize(size_t(c.num_layers));
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    if (c.mixers[i] == KimiMixer::kda) {
+      kda_[i] = new_kda_device_state(c);
+    } else {
+      latent_[i].capacity = max_context_;
+      latent_[i].rows.resize(size_t(max_context_ * c.mla_row_width()) *
+                             k::element_bytes(model.type()));
+    }
+  }
+}
+
+KimiCudaSession::~KimiCudaSession() {
+  ctx_.reset();
+  gemm_.reset();
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+MemoryReport KimiCudaSession::memory() const {
+  MemoryReport r;
+  r.weight_bytes = model_.weight_bytes();
+  for (const KdaDeviceState& s : kda_)
+    r.state_bytes += int64_t(s.recurrent.bytes() + s.conv.bytes());
+  const int64_t row_bytes =
+      model_.config().mla_row_width() * int64_t(k::element_bytes(model_.type()));
+  for (const LatentDeviceCache& l : latent_) r.cache_bytes += l.length * row_bytes;
+  return r;
+}
+
+Tensor KimiCudaSession::run(std::span<const int32_t> ids, bool last_only) {
+  const int64_t T = int64_t(ids.size()), V = model_.vocab_size();
+  require(T >= 1, "kimi_linear (cuda): no tokens to feed");
+  require(length_ + T <= max_context_, "kimi_linear (cuda): feeding " + std::to_string(T) +
+                                           " tokens after " + std::to_string(length_) +
+                                           " would pass the context limit of " +
+                                           std::to_string(max_context_));
+  for (int64_t t = 0; t < T; ++t) {
+    require(ids[t] >= 0 && ids[t] < V, "kimi_linear (cuda): token id " + std::to_string(ids[t]) +
+                                           " is outside the vocabulary [0, " + std::to_string(V) +
+                                           ")");
+  }
+  Tensor logits(DType::f32, {last_only ? 1 : T, V});
+  for (int64_t start = 0; start < T; start += kPrefillPieceTokens) {
+    const int64_t n = std::min(kPrefillPieceTokens, T - start);
+    int32_t* ids_device = take<int32_t>(ctx_->s.ids, n);
+    k::check_cuda(cudaMemcpyAsync(ids_device, ids.data() + start, size_t(n) * 4,
+                                  cudaMemcpyHostToDevice, stream_),
+                  "cudaMemcpyAsync (ids)");
+    const bool last_piece = start + n == T;
+    if (last_only && !last_piece) {
+      model_.run_layers(ids_device, n, 1, kda_, latent_, *ctx_);  // logits unused
+    } else {
+      const int64_t rows = last_only ? 1 : n;
+      const Tensor piece = model_.run_layers(ids_device, n, rows, kda_, latent_, *ctx_);
+      std::copy_n(piece.f32(), rows * V, logits.f32() + (last_only ? 0 : start * V));
+    }
+    length_ += n;
+  }
+  return logits;
+}
+
+}  // namespace
+
+std::unique_ptr<CausalLM> load_kimi_linear_cuda(const ModelFolder& folder, ElementType type) {
+  auto model = std::make_unique<KimiLinearCuda>(folder.config(), type);
+  model->load(folder);
+  return model;
+}
+
+std::unique_ptr<CausalLM> synthetic_kimi_linear_cuda(const nlohmann::json& config, ElementType type,
+                                                     uint64_t seed) {
+  auto model = std::make_unique<KimiLinearCuda>(config, type);
+  model->randomize(seed);
+  return model;
+}
+
+}  // namespace kda::model::cuda

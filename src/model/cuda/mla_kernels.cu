@@ -1,0 +1,66 @@
+#include <cuda_bf16.h>
+
+#include "core/error.h"
+#include "model/cuda/mla_kernels.h"
+#include "ops/common/device_buffer.h"
+
+namespace kda::model::cuda {
+namespace {
+
+__device__ __forceinline__ float load_as_f32(const float* p, int64_t i) {
+  return p[i];
+}
+__device__ __forceinline__ float load_as_f32(const __nv_bfloat16* p, int64_t i) {
+  return __bfloat162float(p[i]);
+}
+__device__ __forceinline__ void store_from_f32(float* p, int64_t i, float x) {
+  p[i] = x;
+}
+__device__ __forceinline__ void store_from_f32(__nv_bfloat16* p, int64_t i, float x) {
+  p[i] = __float2bfloat16_rn(x);
+}
+
+// One block per (token, head); threads stride over the head's nope + rope + v outputs.
+template <class T>
+__global__ void expand_kernel(const float* kvb, const T* rows, int64_t H, int64_t nope,
+                              int64_t rope, int64_t v, int64_t latent, T* keys, T* values) {
+  const int64_t t = blockIdx.x, h = blockIdx.y;
+  const int64_t qk = nope + rope;
+  const float* src = kvb + (t * H + h) * (nope + v);
+  const T* row = rows + t * (latent + rope);
+  T* key = keys + (t * H + h) * qk;
+  T* value = values + (t * H + h) * v;
+  for (int64_t i = threadIdx.x; i < qk + v; i += blockDim.x) {
+    if (i < nope) {
+      store_from_f32(key, i, src[i]);
+    } else if (i < qk) {
+      key[i] = row[latent + (i - nope)];
+    } else {
+      store_from_f32(value, i - qk, src[nope + (i - qk)]);
+    }
+  }
+}
+
+}  // namespace
+
+void mla_expand_keys_values(const float* kvb, const void* rows, int64_t Tk, int64_t H, int64_t nope,
+                            int64_t rope, int64_t v, int64_t latent, ops::cuda::ElementType type,
+                            void* keys, void* values, cudaStream_t stream) {
+  require(Tk >= 0 && H > 0 && H <= 65535 && nope > 0 && rope >= 0 && v > 0 && latent > 0,
+          "mla_expand_keys_values: bad sizes");
+  if (Tk == 0) return;
+  require(Tk <= 0x7fffffff, "mla_expand_keys_values: too many tokens");
+  const dim3 grid{unsigned(Tk), unsigned(H), 1u};
+  if (type == ops::cuda::ElementType::f32) {
+    expand_kernel<float><<<grid, 128, 0, stream>>>(kvb, static_cast<const float*>(rows), H, nope,
+                                                   rope, v, latent, static_cast<float*>(keys),
+                                                   static_cast<float*>(values));
+  } else {
+    expand_kernel<__nv_bfloat16><<<grid, 128, 0, stream>>>(
+        kvb, static_cast<const __nv_bfloat16*>(rows), H, nope, rope, v, latent,
+        static_cast<__nv_bfloat16*>(keys), static_cast<__nv_bfloat16*>(values));
+  }
+  ops::cuda::check_cuda(cudaGetLastError(), "mla_expand_keys_values");
+}
+
+}  // namespace kda::model::cuda

@@ -1,0 +1,171 @@
+// Validation, path choice and split planning of the CUDA attention op (see attention_cuda.h);
+// the kernels live in attention_{generic,prefill,decode}.cu.
+#include "ops/attention/cuda/attention_cuda.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "core/error.h"
+#include "ops/attention/cuda/attention_kernels.cuh"
+#include "ops/delta_rule/cuda/device_common.cuh"
+
+namespace kda::ops::cuda_detail {
+
+int attention_max_smem() {
+  static int cached[64] = {};
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  if (device < 0 || device >= 64) device = 0;
+  if (cached[device] == 0) {
+    int bytes = 0;
+    check_cuda(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+               "cudaDeviceGetAttribute (shared memory)");
+    cached[device] = bytes;
+  }
+  return cached[device];
+}
+
+int attention_sm_count() {
+  static int cached[64] = {};
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  if (device < 0 || device >= 64) device = 0;
+  if (cached[device] == 0) {
+    int sms = 0;
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+               "cudaDeviceGetAttribute (SM count)");
+    cached[device] = std::max(1, sms);
+  }
+  return cached[device];
+}
+
+}  // namespace kda::ops::cuda_detail
+
+namespace kda::ops::cuda {
+
+namespace {
+
+using namespace kda::ops::cuda_detail;
+
+// Up to this many queries run the split-sequence decode path (either dtype); longer query
+// blocks run the prefill kernel (bf16) or the plain fp32 kernel.
+constexpr int64_t kDecodeMaxTq = 15;
+// Query rows (head in group x query) one decode block serves (attention_decode.cu's RB = 2).
+constexpr int64_t kDecodeRowsPerBlock = 32;
+
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+void validate_sizes(const AttentionArgs& a) {
+  require(a.dtype == ElementType::f32 || a.dtype == ElementType::bf16,
+          "attention_forward: dtype must be f32 or bf16");
+  require(a.Tq >= 1, "attention_forward: Tq must be >= 1 (got " + std::to_string(a.Tq) + ")");
+  require(a.Tk >= 1, "attention_forward: Tk must be >= 1 (got " + std::to_string(a.Tk) + ")");
+  require(a.Hq >= 1 && a.Hq <= 65535, "attention_forward: Hq must be in [1, 65535]");
+  require(a.Hkv >= 1 && a.Hkv <= 65535, "attention_forward: Hkv must be in [1, 65535]");
+  require(a.Hq % a.Hkv == 0, "attention_forward: Hq (" + std::to_string(a.Hq) +
+                                 ") must be a multiple of Hkv (" + std::to_string(a.Hkv) + ")");
+  require(a.Dk >= 1 && a.Dk <= kAttentionMaxDk,
+          "attention_forward: Dk must be in [1, 576] (got " + std::to_string(a.Dk) + ")");
+  require(a.Dv >= 1 && a.Dv <= kAttentionMaxDv,
+          "attention_forward: Dv must be in [1, 512] (got " + std::to_string(a.Dv) + ")");
+  require(a.q_offset >= 0, "attention_forward: q_offset must be >= 0");
+  require(a.q_offset + a.Tq <= a.Tk, "attention_forward: Tk (" + std::to_string(a.Tk) +
+                                         ") must be >= q_offset + Tq (" +
+                                         std::to_string(a.q_offset + a.Tq) + ")");
+  require(a.Tk < (int64_t(1) << 31), "attention_forward: Tk too large");
+  require(a.Tq * a.Hq < (int64_t(1) << 31), "attention_forward: Tq * Hq too large");
+  require(std::isfinite(a.scale), "attention_forward: scale must be finite");
+  require(a.q_row_stride == 0 || a.q_row_stride >= a.Hq * a.Dk,
+          "attention_forward: q_row_stride must be 0 or >= Hq * Dk");
+  require(a.k_row_stride == 0 || a.k_row_stride >= a.Hkv * a.Dk,
+          "attention_forward: k_row_stride must be 0 or >= Hkv * Dk");
+  require(a.v_row_stride == 0 || a.v_row_stride >= a.Hkv * a.Dv,
+          "attention_forward: v_row_stride must be 0 or >= Hkv * Dv");
+}
+
+struct Plan {
+  bool decode = false;
+  int nsplit = 0;
+  int64_t split_len = 0;
+};
+
+// Decode: about one block per SM in all (splits x KV heads x row groups), every split a whole
+// number of key tiles, at most kAttentionMaxSplits splits.
+Plan make_plan(const AttentionArgs& a) {
+  Plan plan;
+  plan.decode = a.Tq <= kDecodeMaxTq;
+  if (!plan.decode) return plan;
+  const int64_t kv_len = a.q_offset + a.Tq;  // keys any query sees
+  const int64_t group = a.Hq / a.Hkv;
+  const int64_t blocks_per_split = a.Hkv * ceil_div(group * a.Tq, kDecodeRowsPerBlock);
+  const int64_t tiles = ceil_div(kv_len, kAttentionKeyTile);
+  int64_t want = ceil_div(attention_sm_count(), blocks_per_split);
+  want = std::clamp<int64_t>(want, 1, std::min<int64_t>(tiles, kAttentionMaxSplits));
+  plan.split_len = ceil_div(tiles, want) * kAttentionKeyTile;
+  plan.nsplit = int(ceil_div(kv_len, plan.split_len));
+  return plan;
+}
+
+size_t partial_floats(const AttentionArgs& a, const Plan& plan) {
+  return size_t(plan.nsplit) * size_t(a.Tq * a.Hq) * size_t(a.Dv + 2);
+}
+
+}  // namespace
+
+size_t attention_workspace_bytes(const AttentionArgs& args) {
+  validate_sizes(args);
+  const Plan plan = make_plan(args);
+  if (!plan.decode) return 0;
+  return partial_floats(args, plan) * sizeof(float);
+}
+
+void attention_forward(const AttentionArgs& args, void* workspace, size_t workspace_bytes,
+                       cudaStream_t stream) {
+  validate_sizes(args);
+  require(args.q != nullptr && args.k != nullptr && args.v != nullptr && args.o != nullptr,
+          "attention_forward: q, k, v and o must be device pointers (got null)");
+  const Plan plan = make_plan(args);
+
+  AttentionParams p;
+  p.q = args.q;
+  p.k = args.k;
+  p.v = args.v;
+  p.o = args.o;
+  p.q_stride = args.q_row_stride ? args.q_row_stride : args.Hq * args.Dk;
+  p.k_stride = args.k_row_stride ? args.k_row_stride : args.Hkv * args.Dk;
+  p.v_stride = args.v_row_stride ? args.v_row_stride : args.Hkv * args.Dv;
+  p.Tq = args.Tq;
+  p.Tk = args.Tk;
+  p.q_offset = args.q_offset;
+  p.Hq = int(args.Hq);
+  p.Hkv = int(args.Hkv);
+  p.group = int(args.Hq / args.Hkv);
+  p.Dk = int(args.Dk);
+  p.Dv = int(args.Dv);
+  p.scale = args.scale != 0.f ? args.scale : float(1.0 / std::sqrt(double(args.Dk)));
+  const bool bf16 = args.dtype == ElementType::bf16;
+
+  if (plan.decode) {
+    const size_t floats = partial_floats(args, plan);
+    require(workspace != nullptr && workspace_bytes >= floats * sizeof(float),
+            "attention_forward: workspace too small (need " +
+                std::to_string(floats * sizeof(float)) + " bytes, got " +
+                std::to_string(workspace_bytes) + "; see attention_workspace_bytes)");
+    const size_t rows = size_t(args.Tq * args.Hq);
+    p.part_acc = static_cast<float*>(workspace);
+    p.part_m = p.part_acc + size_t(plan.nsplit) * rows * size_t(args.Dv);
+    p.part_l = p.part_m + size_t(plan.nsplit) * rows;
+    p.nsplit = plan.nsplit;
+    p.split_len = plan.split_len;
+    if (!(bf16 && launch_attention_decode(p, stream))) launch_attention_generic(p, bf16, stream);
+    launch_attention_combine(p, stream);
+    return;
+  }
+  if (bf16 && launch_attention_prefill(p, stream)) return;
+  launch_attention_generic(p, bf16, stream);
+}
+
+}  // namespace kda::ops::cuda

@@ -1,0 +1,49 @@
+// Causal softmax attention on the GPU for one sequence, the core that GPT-2 (prefill and
+// KV-cache decode) and Kimi Linear's MLA (expanded prefill; absorbed decode over the latent
+// cache, MQA-style) share.
+//
+//   o[i, h] = sum_j p_ij v[j, kvh(h)],  p_i = softmax_j(scale * q[i, h] . k[j, kvh(h)]),
+//   j = 0 .. q_offset + i   (query i sits at position q_offset + i; Tk >= q_offset + Tq)
+//   kvh(h) = h / (Hq / Hkv)  (grouped heads; Hq a multiple of Hkv)
+//
+// Layouts (device pointers, token-major): q [Tq, Hq, Dk] with q_row_stride elements between
+// tokens (heads Dk apart); k [Tk, Hkv, Dk] with k_row_stride; v [Tk, Hkv, Dv] with
+// v_row_stride (heads Dv apart). v may alias k (MLA absorbed decode: v = the first Dv values
+// of each latent row). o [Tq, Hq, Dv] fp32, dense. q, k, v share one element type.
+//
+// Paths: bf16 with Tq >= 16 runs a tensor-core flash-attention kernel (mma.sync bf16, fp32
+// softmax and accumulation; Dk, Dv <= 256, zero-padded to multiples of 16 inside); small Tq
+// (decode, a few tokens) runs a split-sequence kernel in which one block serves every query
+// head of a KV head, so a shared KV head (MLA's latent) is read once per step; fp32 inputs run
+// a plain fp32 kernel (exact to fp32 rounding; the path held to 1e-4 against the CPU).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "ops/common/device_types.h"
+
+namespace kda::ops::cuda {
+
+struct AttentionArgs {
+  ElementType dtype = ElementType::bf16;
+  int64_t Tq = 0, Tk = 0, Hq = 1, Hkv = 1, Dk = 0, Dv = 0;
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t q_row_stride = 0, k_row_stride = 0, v_row_stride = 0;  // 0: dense (H * D)
+  int64_t q_offset = 0;
+  float scale = 0.f;  // 0: Dk^-0.5
+  float* o = nullptr;
+};
+
+// Bytes of device workspace attention_forward needs for these sizes (split-sequence partial
+// results); 0 is a valid answer.
+size_t attention_workspace_bytes(const AttentionArgs& args);
+
+// Throws kda::Error on bad sizes (naming the field) before queuing anything.
+void attention_forward(const AttentionArgs& args, void* workspace, size_t workspace_bytes,
+                       cudaStream_t stream);
+
+}  // namespace kda::ops::cuda

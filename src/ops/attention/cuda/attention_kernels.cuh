@@ -1,0 +1,57 @@
+// Internals of the CUDA attention op (attention_cuda.cu dispatches): the parameters every
+// kernel reads and the launchers of the three kernel families.
+//
+// Rows: a query row is (t, h) with index t * Hq + h, the row of o [Tq, Hq, Dv]. Split partial
+// results (decode) live in the workspace as acc [nsplit][Tq * Hq][Dv] (unnormalised, relative to
+// the row's running max), then m [nsplit][Tq * Hq] (natural-log units, -inf when the split held
+// no visible key for the row) and l [nsplit][Tq * Hq] (sum of exp(score - m)).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kda::ops::cuda_detail {
+
+struct AttentionParams {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  float* o = nullptr;
+  int64_t q_stride = 0, k_stride = 0, v_stride = 0;  // elements between tokens
+  int64_t Tq = 0, Tk = 0, q_offset = 0;
+  int Hq = 1, Hkv = 1, group = 1, Dk = 0, Dv = 0;
+  float scale = 0.f;  // natural units (scores are scale * q . k)
+  // Split-sequence partials (decode); unused when nsplit == 0.
+  float* part_acc = nullptr;
+  float* part_m = nullptr;
+  float* part_l = nullptr;
+  int nsplit = 0;
+  int64_t split_len = 0;  // keys per split (a multiple of kAttentionKeyTile)
+};
+
+constexpr int kAttentionKeyTile = 64;  // keys per tile in the tensor-core kernels
+constexpr int kAttentionMaxDk = 576;   // MLA's latent + rope width
+constexpr int kAttentionMaxDv = 512;   // MLA's latent width
+constexpr int kAttentionMaxSplits = 256;
+
+// Largest dynamic shared memory a block may opt into on the current device (cached).
+int attention_max_smem();
+int attention_sm_count();
+
+// fp32-exact kernel (one warp per query row, fp32 FMA, expf): elem_bf16 picks the element type.
+// nsplit == 0: writes o directly over keys [0, q_offset + t]; else writes the split partials.
+void launch_attention_generic(const AttentionParams& p, bool elem_bf16, cudaStream_t stream);
+
+// Tensor-core flash attention for bf16 prefill; returns false (launching nothing) when this
+// shape or layout has no instantiation (the caller falls back to the generic kernel).
+bool launch_attention_prefill(const AttentionParams& p, cudaStream_t stream);
+
+// Tensor-core split-sequence decode (bf16): writes the split partials. Returns false (launching
+// nothing) when unsupported (the caller falls back to the generic kernel with splits).
+bool launch_attention_decode(const AttentionParams& p, cudaStream_t stream);
+
+// Merges the split partials into o.
+void launch_attention_combine(const AttentionParams& p, cudaStream_t stream);
+
+}  // namespace kda::ops::cuda_detail
