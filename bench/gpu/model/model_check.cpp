@@ -55,7 +55,7 @@ void check_folder(const std::string& dir, ElementType type, Tally& tally) {
   const std::string tag = fs::path(dir).filename().string() + (exact ? " fp32" : " bf16");
   // fp32 is held to the fixtures' own bounds; bf16 weights round every product (~3 decimal
   // digits), so its logits are held to a bf16-level bound.
-  const double logits_tol = exact ? 1e-4 : 3e-2, loss_tol = exact ? 1e-5 : 1e-2;
+  const double logits_tol = exact ? 1e-4 : 1e-2, loss_tol = exact ? 1e-5 : 1e-3;
   const auto lm = model::cuda::load_causal_lm_cuda(dir, type);
   const SafetensorsFile ref =
       SafetensorsFile::open((fs::path(dir) / "reference.safetensors").string());
@@ -152,6 +152,13 @@ void run_model_bench(const SuiteOptions& options, Tally& tally) {
     const auto lm =
         model::cuda::synthetic_kimi_linear_cuda(bench_config(all_mla), ElementType::bf16, 7);
     std::printf("BENCH model %s weights %.2f GB\n", kind, double(lm->weight_bytes()) / 1e9);
+    {  // first launches (module loading, cuBLAS heuristics) out of the timings
+      std::vector<int32_t> warm(4096, 1);
+      auto session = lm->start_session(4096 + 2);
+      Tensor last = session->feed_last(warm);
+      const int32_t next = runtime::argmax(last.span_f32());
+      session->feed_last(std::span<const int32_t>(&next, 1));
+    }
     for (const int64_t context : {4096, 32768, 131072}) {
       std::vector<int32_t> prompt(static_cast<size_t>(context));
       for (int64_t i = 0; i < context; ++i) prompt[i] = int32_t((i * 7919) % lm->vocab_size());

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "model/cuda/stage_timer.h"
 #include "model/kimi_linear_blocks.h"
 #include "model/kimi_linear_config.h"
 #include "ops/common/device_buffer.h"
@@ -28,6 +29,7 @@ struct Context {
         hidden;
     ops::cuda::MoeDeviceWorkspace moe;
   } s;
+  StageTimer timer;  // KDA_CUDA_PROFILE: time per stage
   cudaStream_t stream() const { return gemm.stream(); }
   size_t esize() const { return ops::cuda::element_bytes(type); }
 };

@@ -189,20 +189,27 @@ Tensor KimiLinearCuda::run_layers(const int32_t* ids_device, int64_t T, int64_t 
   float* out = take(s.out, T * D);
   void* xc = type_ == ElementType::f32 ? static_cast<void*>(x32)
                                        : static_cast<void*>(take<char>(s.xc, T * D, 2));
+  StageTimer& timer = ctx.timer;
+  timer.start(stream);
   k::embedding(ids_device, T, embed_.data(), nullptr, 0, type_, D, h, stream);
   for (size_t i = 0; i < layers_.size(); ++i) {
     const DeviceLayer& l = layers_[i];
     k::rms_norm(h, T, D, D, l.input_norm.as<float>(), eps, {xc, type_}, stream);
+    timer.mark(stream, "norms");
     if (l.mixer == KimiMixer::kda) {
       kda_forward(c, l.kda, xc, T, kda[i], out, ctx);
+      timer.mark(stream, T == 1 ? "kda decode" : "kda");
     } else {
       mla_forward(c, l.mla, xc, T, latent[i], out, ctx);
+      timer.mark(stream, T == 1 ? "mla decode" : "mla");
     }
     k::add_inplace(h, out, T * D, stream);
     k::rms_norm(h, T, D, D, l.post_norm.as<float>(), eps, {x32}, stream);
     if (type_ != ElementType::f32) k::convert(x32, ElementType::f32, xc, type_, T * D, stream);
+    timer.mark(stream, "norms");
     ffn_forward(c, l.ffn, x32, xc, T, out, ctx);
     k::add_inplace(h, out, T * D, stream);
+    timer.mark(stream, T == 1 ? "ffn decode" : "ffn");
   }
   k::rms_norm(h + (T - rows) * D, rows, D, D, final_norm_.as<float>(), eps, {xc, type_}, stream);
   float* logits = take(s.logits, rows * V);
@@ -212,6 +219,7 @@ Tensor KimiLinearCuda::run_layers(const int32_t* ids_device, int64_t T, int64_t 
       cudaMemcpyAsync(result.f32(), logits, size_t(rows * V) * 4, cudaMemcpyDeviceToHost, stream),
       "cudaMemcpyAsync (logits)");
   k::check_cuda(cudaStreamSynchronize(stream), "kimi_linear (cuda) forward");
+  timer.mark(stream, "lm_head");
   return result;
 }
 
@@ -236,6 +244,8 @@ KimiCudaSession::KimiCudaSession(const KimiLinearCuda& model, int64_t max_contex
 }
 
 KimiCudaSession::~KimiCudaSession() {
+  if (ctx_)
+    ctx_->timer.report("kimi_linear (cuda) session of " + std::to_string(length_) + " tokens");
   ctx_.reset();
   gemm_.reset();
   if (stream_) cudaStreamDestroy(stream_);
