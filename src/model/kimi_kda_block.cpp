@@ -32,16 +32,6 @@ Shape stored_or(const ModelFolder& folder, const std::string& name, const Shape&
   return preferred;
 }
 
-ops::DeltaRuleShape delta_shape(const KimiLinearConfig& c, int64_t T) {
-  ops::DeltaRuleShape s;
-  s.B = 1;
-  s.T = T;
-  s.H = s.HV = c.kda_heads;
-  s.K = s.V = c.kda_head_dim;
-  s.gate = ops::Gate::channel;
-  return s;
-}
-
 // transformers (and fla's l2norm kernel) normalise with x * rsqrt(sum(x^2) + 1e-6); ops::kda's
 // in-op x / max(|x|, 1e-6) differs by ~6e-4 relative at the fixture's small activations, so the
 // normalisation happens before the op.
@@ -58,6 +48,16 @@ ops::KdaOptions kda_options(const KimiLinearConfig& c) {
 }
 
 }  // namespace
+
+ops::DeltaRuleShape kda_delta_shape(const KimiLinearConfig& c, int64_t T) {
+  ops::DeltaRuleShape s;
+  s.B = 1;
+  s.T = T;
+  s.H = s.HV = c.kda_heads;
+  s.K = s.V = c.kda_head_dim;
+  s.gate = ops::Gate::channel;
+  return s;
+}
 
 void expect_kda(const KimiLinearConfig& c, const std::string& p, const ModelFolder& folder,
                 TensorMap& e) {
@@ -148,7 +148,7 @@ void kda_forward(const KimiLinearConfig& c, const KdaWeights& w, const float* x,
   for (int64_t t = 0; t < T; ++t) std::copy_n(proj + t * width + 3 * HK + 2 * K, H, braw + t * H);
 
   float* o = grow(s.attn, T * HK);
-  const ops::DeltaRuleShape shape = delta_shape(c, T);
+  const ops::DeltaRuleShape shape = kda_delta_shape(c, T);
   const ops::KdaOptions options = kda_options(c);
   if (T == 1) {
     ops::kda_decode_step(shape, options, qkv[0], qkv[1], qkv[2], graw, braw, w.A_log.f32(),

@@ -34,6 +34,30 @@ int64_t tensor_bytes(const Tensor& t) {
   return t.empty() ? 0 : int64_t(t.nbytes());
 }
 
+std::string layer_prefix(int64_t i) {
+  return "model.layers." + std::to_string(i) + ".";
+}
+
+TensorMap expected_tensors(const KimiLinearConfig& c, const ModelFolder& folder) {
+  const int64_t D = c.hidden_size;
+  TensorMap expected;
+  expected["model.embed_tokens.weight"] = {c.vocab_size, D};
+  expected["model.norm.weight"] = {D};
+  expected["lm_head.weight"] = {c.vocab_size, D};
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = layer_prefix(i);
+    expected[p + "input_layernorm.weight"] = {D};
+    expected[p + "post_attention_layernorm.weight"] = {D};
+    if (c.mixers[i] == KimiMixer::kda) {
+      expect_kda(c, p + "self_attn.", folder, expected);
+    } else {
+      expect_mla(c, p + "self_attn.", expected);
+    }
+    expect_ffn(c, i, p, folder, expected);
+  }
+  return expected;
+}
+
 }  // namespace kimi
 
 namespace {
@@ -108,9 +132,7 @@ class KimiLinearSession final : public Session {
   kimi::Scratch scratch_;
 };
 
-std::string layer_prefix(int64_t i) {
-  return "model.layers." + std::to_string(i) + ".";
-}
+using kimi::layer_prefix;
 
 KimiLinearModel::KimiLinearModel(const ModelFolder& folder)
     : config_(KimiLinearConfig::parse(folder.config())),
@@ -118,21 +140,7 @@ KimiLinearModel::KimiLinearModel(const ModelFolder& folder)
   const KimiLinearConfig& c = config_;
   const int64_t D = c.hidden_size;
   // Every name and shape first: a bad checkpoint fails before anything is loaded.
-  kimi::TensorMap expected;
-  expected["model.embed_tokens.weight"] = {c.vocab_size, D};
-  expected["model.norm.weight"] = {D};
-  expected["lm_head.weight"] = {c.vocab_size, D};
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    const std::string p = layer_prefix(i);
-    expected[p + "input_layernorm.weight"] = {D};
-    expected[p + "post_attention_layernorm.weight"] = {D};
-    if (c.mixers[i] == KimiMixer::kda) {
-      kimi::expect_kda(c, p + "self_attn.", folder, expected);
-    } else {
-      kimi::expect_mla(c, p + "self_attn.", expected);
-    }
-    kimi::expect_ffn(c, i, p, folder, expected);
-  }
+  const kimi::TensorMap expected = kimi::expected_tensors(c, folder);
   folder.check_tensors(expected);
 
   embed_ = folder.load("model.embed_tokens.weight", {c.vocab_size, D});

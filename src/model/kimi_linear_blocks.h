@@ -12,6 +12,7 @@
 #include "core/tensor.h"
 #include "model/kimi_linear_config.h"
 #include "model/model_folder.h"
+#include "ops/delta_rule/delta_rule.h"
 #include "ops/mla/mla.h"
 #include "ops/moe/moe.h"
 #include "runtime/latent_cache.h"
@@ -106,5 +107,14 @@ void ffn_forward(const KimiLinearConfig& c, const FfnWeights& w, const float* x,
                  float* y, Scratch& s);
 
 int64_t tensor_bytes(const Tensor& t);
+
+// Every tensor name and shape of a Kimi Linear checkpoint (embedding, norms, lm_head, and each
+// layer's mixer and feed-forward), for ModelFolder::check_tensors.
+TensorMap expected_tensors(const KimiLinearConfig& c, const ModelFolder& folder);
+std::string layer_prefix(int64_t layer);  // "model.layers.<i>."
+
+// The shape of the KDA op over T tokens of one sequence, and the MoE routing of the config.
+ops::DeltaRuleShape kda_delta_shape(const KimiLinearConfig& c, int64_t T);
+ops::MoeRouting moe_routing(const KimiLinearConfig& c);
 
 }  // namespace kda::model::kimi

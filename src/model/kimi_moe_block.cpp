@@ -88,14 +88,20 @@ FfnWeights load_ffn(const KimiLinearConfig& c, int64_t layer, const std::string&
     load_swiglu(sh + "gate_proj.weight", sh + "up_proj.weight", sh + "down_proj.weight", w.gate_up,
                 w.down);
   }
-  w.routing.num_experts = c.num_experts;
-  w.routing.top_k = c.top_k;
-  w.routing.num_groups = c.num_expert_groups;
-  w.routing.topk_groups = c.topk_groups;
-  w.routing.renormalize = c.renormalize;
-  w.routing.scaling = c.routed_scaling_factor;
-  w.routing.validate();
+  w.routing = moe_routing(c);
   return w;
+}
+
+ops::MoeRouting moe_routing(const KimiLinearConfig& c) {
+  ops::MoeRouting r;
+  r.num_experts = c.num_experts;
+  r.top_k = c.top_k;
+  r.num_groups = c.num_expert_groups;
+  r.topk_groups = c.topk_groups;
+  r.renormalize = c.renormalize;
+  r.scaling = c.routed_scaling_factor;
+  r.validate();
+  return r;
 }
 
 void ffn_forward(const KimiLinearConfig& c, const FfnWeights& w, const float* x, int64_t T,

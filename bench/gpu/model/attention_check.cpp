@@ -181,6 +181,45 @@ std::vector<Case> check_cases() {
        .Dv = 512,
        .q_offset = 996,
        .v_alias = true});
+  // The bulk-copy MLA decode kernel (32-key tiles): a cache shorter than a tile, one key past a
+  // tile, many tiles per split, rows with no visible key in late splits, 16 heads (one row
+  // block); and a head dim of 128 (the cp.async decode kernel).
+  for (int64_t Tk : {20, 33, 40000})
+    add({.name = "MLA decode Tq=1 Tk=" + std::to_string(Tk) + " Hq=32 Hkv=1 576/512 v=k",
+         .Tq = 1,
+         .Tk = Tk,
+         .Hq = 32,
+         .Hkv = 1,
+         .Dk = 576,
+         .Dv = 512,
+         .q_offset = Tk - 1,
+         .v_alias = true});
+  add({.name = "MLA decode Tq=2 Tk=3000 q_offset=1000 Hq=32 576/512 v=k (longer cache)",
+       .Tq = 2,
+       .Tk = 3000,
+       .Hq = 32,
+       .Hkv = 1,
+       .Dk = 576,
+       .Dv = 512,
+       .q_offset = 1000,
+       .v_alias = true});
+  add({.name = "MLA decode Tq=1 Tk=777 Hq=16 Hkv=1 576/512 v=k",
+       .Tq = 1,
+       .Tk = 777,
+       .Hq = 16,
+       .Hkv = 1,
+       .Dk = 576,
+       .Dv = 512,
+       .q_offset = 776,
+       .v_alias = true});
+  add({.name = "decode Tq=1 Tk=1000 Hq=8 Hkv=2 D=128",
+       .Tq = 1,
+       .Tk = 1000,
+       .Hq = 8,
+       .Hkv = 2,
+       .Dk = 128,
+       .Dv = 128,
+       .q_offset = 999});
   add({.name = "MLA absorbed Tq=20 Tk=40 Hq=2 576/512 v=k",
        .Tq = 20,
        .Tk = 40,

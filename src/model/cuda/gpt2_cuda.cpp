@@ -208,7 +208,7 @@ Gpt2CudaSession::Gpt2CudaSession(const Gpt2Cuda& model, int64_t max_context)
     : model_(model), max_context_(max_context) {
   k::check_cuda(cudaStreamCreate(&stream_), "cudaStreamCreate");
   gemm_ = std::make_unique<k::Gemm>(stream_);
-  ctx_ = std::make_unique<Context>(Context{*gemm_, model.type(), {}});
+  ctx_ = std::make_unique<Context>(Context{*gemm_, model.type(), {}, {}});
   const size_t bytes = size_t(max_context * model.config().embd) * k::element_bytes(model.type());
   for (int64_t l = 0; l < model.config().layers; ++l) {
     keys_.emplace_back(bytes);

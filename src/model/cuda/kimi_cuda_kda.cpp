@@ -22,16 +22,20 @@
 namespace kda::model::cuda {
 namespace {
 
+namespace k = ops::cuda;
+
 constexpr float kQkL2NormEps = 1e-6f;
 
-ops::DeltaRuleShape delta_shape(const KimiLinearConfig& c, int64_t T) {
-  ops::DeltaRuleShape s;
-  s.B = 1;
-  s.T = T;
-  s.H = s.HV = c.kda_heads;
-  s.K = s.V = c.kda_head_dim;
-  s.gate = ops::Gate::channel;
-  return s;
+// A chunked prefill over T tokens from the state's current value; the final state replaces it.
+void chunk_prefill(k::DeltaRuleDeviceInputs in, void* o, KdaDeviceState& state, Context& ctx) {
+  auto& s = ctx.s;
+  in.h0 = state.recurrent.as<float>();
+  const size_t ws = k::chunk_forward_workspace_bytes(in.shape, {});
+  float* final_state = take(s.state, int64_t(state.recurrent.bytes() / 4));
+  k::chunk_forward(in, o, final_state, take<char>(s.workspace, int64_t(ws), 1), ws, ctx.stream());
+  k::check_cuda(cudaMemcpyAsync(state.recurrent.data(), final_state, state.recurrent.bytes(),
+                                cudaMemcpyDeviceToDevice, ctx.stream()),
+                "cudaMemcpyAsync (KDA state)");
 }
 
 float gate_lower_bound(const KimiLinearConfig& c) {
@@ -89,7 +93,6 @@ KdaDeviceState new_kda_device_state(const KimiLinearConfig& c) {
 
 void kda_forward(const KimiLinearConfig& c, const KdaDeviceWeights& w, const void* xc, int64_t T,
                  KdaDeviceState& state, float* y, Context& ctx) {
-  namespace k = ops::cuda;
   const int64_t D = c.hidden_size, H = c.kda_heads, K = c.kda_head_dim, HK = c.kda_width();
   const int64_t W = c.conv_kernel, width = 3 * HK + 2 * K + H;
   const ElementType type = ctx.type;
@@ -115,7 +118,7 @@ void kda_forward(const KimiLinearConfig& c, const KdaDeviceWeights& w, const voi
                   {gate, ElementType::f32});
   const float* braw = proj + 3 * HK + 2 * K;  // [T, H], row stride width
 
-  const ops::DeltaRuleShape shape = delta_shape(c, T);
+  const ops::DeltaRuleShape shape = kimi::kda_delta_shape(c, T);
   const bool chunked_bf16 =
       type == ElementType::bf16 && T > 1 && c.forget_gate_lower_bound && (K == 64 || K == 128);
   const ElementType o_type = chunked_bf16 ? ElementType::bf16 : ElementType::f32;
@@ -139,19 +142,13 @@ void kda_forward(const KimiLinearConfig& c, const KdaDeviceWeights& w, const voi
     in.v = vc;
     in.g = gc;
     in.beta = bc;
-    in.h0 = state.recurrent.as<float>();
     in.kda_layer.gate_in_kernel = true;
     in.kda_layer.gate = ops::KdaGate::lower_bound;
     in.kda_layer.lower_bound = gate_lower_bound(c);
     in.kda_layer.A_log = w.A_log.as<float>();
     in.kda_layer.dt_bias = w.dt_bias.as<float>();
     in.kda_layer.beta_sigmoid = true;
-    const size_t ws = k::chunk_forward_workspace_bytes(shape, {});
-    float* final_state = take(s.state, int64_t(state.recurrent.bytes() / 4));
-    k::chunk_forward(in, o, final_state, take<char>(s.workspace, int64_t(ws), 1), ws, stream);
-    k::check_cuda(cudaMemcpyAsync(state.recurrent.data(), final_state, state.recurrent.bytes(),
-                                  cudaMemcpyDeviceToDevice, stream),
-                  "cudaMemcpyAsync (KDA state)");
+    chunk_prefill(in, o, state, ctx);
   } else {
     // fp32 path: activations by the nn kernels, then the exact fp32 kernels.
     float* q = take(s.qc, T * HK);
@@ -188,13 +185,7 @@ void kda_forward(const KimiLinearConfig& c, const KdaDeviceWeights& w, const voi
       in.v = qkv[2];
       in.g = g;
       in.beta = beta;
-      in.h0 = state.recurrent.as<float>();
-      const size_t ws = k::chunk_forward_workspace_bytes(shape, {});
-      float* final_state = take(s.state, int64_t(state.recurrent.bytes() / 4));
-      k::chunk_forward(in, o, final_state, take<char>(s.workspace, int64_t(ws), 1), ws, stream);
-      k::check_cuda(cudaMemcpyAsync(state.recurrent.data(), final_state, state.recurrent.bytes(),
-                                    cudaMemcpyDeviceToDevice, stream),
-                    "cudaMemcpyAsync (KDA state)");
+      chunk_prefill(in, o, state, ctx);
     }
   }
   void* normed = take<char>(s.normed, T * HK, ctx.esize());

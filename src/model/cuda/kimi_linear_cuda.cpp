@@ -25,9 +25,7 @@ struct DeviceLayer {
   FfnDeviceWeights ffn;
 };
 
-std::string layer_prefix(int64_t i) {
-  return "model.layers." + std::to_string(i) + ".";
-}
+using kimi::layer_prefix;
 
 class KimiLinearCuda;
 
@@ -98,21 +96,7 @@ void KimiLinearCuda::load(const ModelFolder& folder) {
   // by layer so that host memory holds one layer at a time.
   const KimiLinearConfig& c = config_;
   const int64_t D = c.hidden_size;
-  kimi::TensorMap expected;
-  expected["model.embed_tokens.weight"] = {c.vocab_size, D};
-  expected["model.norm.weight"] = {D};
-  expected["lm_head.weight"] = {c.vocab_size, D};
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    const std::string p = layer_prefix(i);
-    expected[p + "input_layernorm.weight"] = {D};
-    expected[p + "post_attention_layernorm.weight"] = {D};
-    if (c.mixers[i] == KimiMixer::kda) {
-      kimi::expect_kda(c, p + "self_attn.", folder, expected);
-    } else {
-      kimi::expect_mla(c, p + "self_attn.", expected);
-    }
-    kimi::expect_ffn(c, i, p, folder, expected);
-  }
+  const kimi::TensorMap expected = kimi::expected_tensors(c, folder);
   folder.check_tensors(expected);
   embed_ = upload(folder.load("model.embed_tokens.weight", {c.vocab_size, D}), type_);
   final_norm_ = upload(folder.load("model.norm.weight", {D}), ElementType::f32);
@@ -209,7 +193,7 @@ Tensor KimiLinearCuda::run_layers(const int32_t* ids_device, int64_t T, int64_t 
     timer.mark(stream, "norms");
     ffn_forward(c, l.ffn, x32, xc, T, out, ctx);
     k::add_inplace(h, out, T * D, stream);
-    timer.mark(stream, T == 1 ? "ffn decode" : "ffn");
+    timer.mark(stream, T == 1 ? "ffn decode routed" : "ffn routed");
   }
   k::rms_norm(h + (T - rows) * D, rows, D, D, final_norm_.as<float>(), eps, {xc, type_}, stream);
   float* logits = take(s.logits, rows * V);
@@ -229,7 +213,7 @@ KimiCudaSession::KimiCudaSession(const KimiLinearCuda& model, int64_t max_contex
   max_context_ = max_context == 0 ? c.max_context : max_context;
   k::check_cuda(cudaStreamCreate(&stream_), "cudaStreamCreate");
   gemm_ = std::make_unique<k::Gemm>(stream_);
-  ctx_ = std::make_unique<Context>(Context{*gemm_, model.type(), {}});
+  ctx_ = std::make_unique<Context>(Context{*gemm_, model.type(), {}, {}});
   kda_.resize(size_t(c.num_layers));
   latent_.resize(size_t(c.num_layers));
   for (int64_t i = 0; i < c.num_layers; ++i) {

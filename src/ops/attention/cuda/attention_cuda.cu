@@ -26,6 +26,20 @@ int attention_max_smem() {
   return cached[device];
 }
 
+int attention_cc_major() {
+  static int cached[64] = {};
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  if (device < 0 || device >= 64) device = 0;
+  if (cached[device] == 0) {
+    int major = 0;
+    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+               "cudaDeviceGetAttribute (compute capability)");
+    cached[device] = std::max(1, major);
+  }
+  return cached[device];
+}
+
 int attention_sm_count() {
   static int cached[64] = {};
   int device = 0;
@@ -58,32 +72,54 @@ int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
 
+// Throws kda::Error with message() when ok is false; the message is only built on failure (this
+// runs on every decode step, where a dozen string allocations are a visible cost).
+template <class Message>
+void check(bool ok, const Message& message) {
+  if (!ok) throw kda::Error(message());
+}
+
 void validate_sizes(const AttentionArgs& a) {
-  require(a.dtype == ElementType::f32 || a.dtype == ElementType::bf16,
-          "attention_forward: dtype must be f32 or bf16");
-  require(a.Tq >= 1, "attention_forward: Tq must be >= 1 (got " + std::to_string(a.Tq) + ")");
-  require(a.Tk >= 1, "attention_forward: Tk must be >= 1 (got " + std::to_string(a.Tk) + ")");
-  require(a.Hq >= 1 && a.Hq <= 65535, "attention_forward: Hq must be in [1, 65535]");
-  require(a.Hkv >= 1 && a.Hkv <= 65535, "attention_forward: Hkv must be in [1, 65535]");
-  require(a.Hq % a.Hkv == 0, "attention_forward: Hq (" + std::to_string(a.Hq) +
-                                 ") must be a multiple of Hkv (" + std::to_string(a.Hkv) + ")");
-  require(a.Dk >= 1 && a.Dk <= kAttentionMaxDk,
-          "attention_forward: Dk must be in [1, 576] (got " + std::to_string(a.Dk) + ")");
-  require(a.Dv >= 1 && a.Dv <= kAttentionMaxDv,
-          "attention_forward: Dv must be in [1, 512] (got " + std::to_string(a.Dv) + ")");
-  require(a.q_offset >= 0, "attention_forward: q_offset must be >= 0");
-  require(a.q_offset + a.Tq <= a.Tk, "attention_forward: Tk (" + std::to_string(a.Tk) +
-                                         ") must be >= q_offset + Tq (" +
-                                         std::to_string(a.q_offset + a.Tq) + ")");
-  require(a.Tk < (int64_t(1) << 31), "attention_forward: Tk too large");
-  require(a.Tq * a.Hq < (int64_t(1) << 31), "attention_forward: Tq * Hq too large");
-  require(std::isfinite(a.scale), "attention_forward: scale must be finite");
-  require(a.q_row_stride == 0 || a.q_row_stride >= a.Hq * a.Dk,
-          "attention_forward: q_row_stride must be 0 or >= Hq * Dk");
-  require(a.k_row_stride == 0 || a.k_row_stride >= a.Hkv * a.Dk,
-          "attention_forward: k_row_stride must be 0 or >= Hkv * Dk");
-  require(a.v_row_stride == 0 || a.v_row_stride >= a.Hkv * a.Dv,
-          "attention_forward: v_row_stride must be 0 or >= Hkv * Dv");
+  check(a.dtype == ElementType::f32 || a.dtype == ElementType::bf16,
+        [&] { return std::string("attention_forward: dtype must be f32 or bf16"); });
+  check(a.Tq >= 1, [&] {
+    return std::string("attention_forward: Tq must be >= 1 (got " + std::to_string(a.Tq) + ")");
+  });
+  check(a.Tk >= 1, [&] {
+    return std::string("attention_forward: Tk must be >= 1 (got " + std::to_string(a.Tk) + ")");
+  });
+  check(a.Hq >= 1 && a.Hq <= 65535,
+        [&] { return std::string("attention_forward: Hq must be in [1, 65535]"); });
+  check(a.Hkv >= 1 && a.Hkv <= 65535,
+        [&] { return std::string("attention_forward: Hkv must be in [1, 65535]"); });
+  check(a.Hq % a.Hkv == 0, [&] {
+    return std::string("attention_forward: Hq (" + std::to_string(a.Hq) +
+                       ") must be a multiple of Hkv (" + std::to_string(a.Hkv) + ")");
+  });
+  check(a.Dk >= 1 && a.Dk <= kAttentionMaxDk, [&] {
+    return std::string("attention_forward: Dk must be in [1, 576] (got " + std::to_string(a.Dk) +
+                       ")");
+  });
+  check(a.Dv >= 1 && a.Dv <= kAttentionMaxDv, [&] {
+    return std::string("attention_forward: Dv must be in [1, 512] (got " + std::to_string(a.Dv) +
+                       ")");
+  });
+  check(a.q_offset >= 0, [&] { return std::string("attention_forward: q_offset must be >= 0"); });
+  check(a.q_offset + a.Tq <= a.Tk, [&] {
+    return std::string("attention_forward: Tk (" + std::to_string(a.Tk) +
+                       ") must be >= q_offset + Tq (" + std::to_string(a.q_offset + a.Tq) + ")");
+  });
+  check(a.Tk < (int64_t(1) << 31), [&] { return std::string("attention_forward: Tk too large"); });
+  check(a.Tq * a.Hq < (int64_t(1) << 31),
+        [&] { return std::string("attention_forward: Tq * Hq too large"); });
+  check(std::isfinite(a.scale),
+        [&] { return std::string("attention_forward: scale must be finite"); });
+  check(a.q_row_stride == 0 || a.q_row_stride >= a.Hq * a.Dk,
+        [&] { return std::string("attention_forward: q_row_stride must be 0 or >= Hq * Dk"); });
+  check(a.k_row_stride == 0 || a.k_row_stride >= a.Hkv * a.Dk,
+        [&] { return std::string("attention_forward: k_row_stride must be 0 or >= Hkv * Dk"); });
+  check(a.v_row_stride == 0 || a.v_row_stride >= a.Hkv * a.Dv,
+        [&] { return std::string("attention_forward: v_row_stride must be 0 or >= Hkv * Dv"); });
 }
 
 struct Plan {
@@ -92,8 +128,10 @@ struct Plan {
   int64_t split_len = 0;
 };
 
-// Decode: about one block per SM in all (splits x KV heads x row groups), every split a whole
-// number of key tiles, at most kAttentionMaxSplits splits.
+// Decode, bf16 sizes the bulk-copy kernel takes: as many blocks as the GPU holds at once (splits
+// x KV heads x row groups), every split a whole number (>= 2 where the cache allows: a split's
+// partials cost about one tile) of its 32-key tiles. Otherwise about one block per SM, splits of
+// 64-key tiles. At most kAttentionMaxSplits splits.
 Plan make_plan(const AttentionArgs& a) {
   Plan plan;
   plan.decode = a.Tq <= kDecodeMaxTq;
@@ -101,10 +139,20 @@ Plan make_plan(const AttentionArgs& a) {
   const int64_t kv_len = a.q_offset + a.Tq;  // keys any query sees
   const int64_t group = a.Hq / a.Hkv;
   const int64_t blocks_per_split = a.Hkv * ceil_div(group * a.Tq, kDecodeRowsPerBlock);
-  const int64_t tiles = ceil_div(kv_len, kAttentionKeyTile);
-  int64_t want = ceil_div(attention_sm_count(), blocks_per_split);
-  want = std::clamp<int64_t>(want, 1, std::min<int64_t>(tiles, kAttentionMaxSplits));
-  plan.split_len = ceil_div(tiles, want) * kAttentionKeyTile;
+  const int64_t k_stride = a.k_row_stride ? a.k_row_stride : a.Hkv * a.Dk;
+  const int64_t v_stride = a.v_row_stride ? a.v_row_stride : a.Hkv * a.Dv;
+  const bool v_alias =
+      a.v != nullptr && a.v == a.k && v_stride == k_stride && a.Hkv == 1 && a.Dv <= a.Dk;
+  const int bulk_blocks = a.dtype == ElementType::bf16 ? attention_decode_bulk_blocks_per_sm(
+                                                             a.Dk, a.Dv, group * a.Tq, v_alias)
+                                                       : 0;
+  const int64_t tile = bulk_blocks > 0 ? kAttentionBulkKeyTile : kAttentionKeyTile;
+  const int64_t tiles = ceil_div(kv_len, tile);
+  const int64_t max_splits = bulk_blocks > 0 ? std::max<int64_t>(1, tiles / 2) : tiles;
+  int64_t want =
+      ceil_div(int64_t(attention_sm_count()) * std::max(1, bulk_blocks), blocks_per_split);
+  want = std::clamp<int64_t>(want, 1, std::min<int64_t>(max_splits, kAttentionMaxSplits));
+  plan.split_len = ceil_div(tiles, want) * tile;
   plan.nsplit = int(ceil_div(kv_len, plan.split_len));
   return plan;
 }
@@ -125,8 +173,9 @@ size_t attention_workspace_bytes(const AttentionArgs& args) {
 void attention_forward(const AttentionArgs& args, void* workspace, size_t workspace_bytes,
                        cudaStream_t stream) {
   validate_sizes(args);
-  require(args.q != nullptr && args.k != nullptr && args.v != nullptr && args.o != nullptr,
-          "attention_forward: q, k, v and o must be device pointers (got null)");
+  check(args.q != nullptr && args.k != nullptr && args.v != nullptr && args.o != nullptr, [] {
+    return std::string("attention_forward: q, k, v and o must be device pointers (got null)");
+  });
   const Plan plan = make_plan(args);
 
   AttentionParams p;
@@ -150,17 +199,20 @@ void attention_forward(const AttentionArgs& args, void* workspace, size_t worksp
 
   if (plan.decode) {
     const size_t floats = partial_floats(args, plan);
-    require(workspace != nullptr && workspace_bytes >= floats * sizeof(float),
-            "attention_forward: workspace too small (need " +
-                std::to_string(floats * sizeof(float)) + " bytes, got " +
-                std::to_string(workspace_bytes) + "; see attention_workspace_bytes)");
+    check(workspace != nullptr && workspace_bytes >= floats * sizeof(float), [&] {
+      return "attention_forward: workspace too small (need " +
+             std::to_string(floats * sizeof(float)) + " bytes, got " +
+             std::to_string(workspace_bytes) + "; see attention_workspace_bytes)";
+    });
     const size_t rows = size_t(args.Tq * args.Hq);
     p.part_acc = static_cast<float*>(workspace);
     p.part_m = p.part_acc + size_t(plan.nsplit) * rows * size_t(args.Dv);
     p.part_l = p.part_m + size_t(plan.nsplit) * rows;
     p.nsplit = plan.nsplit;
     p.split_len = plan.split_len;
-    if (!(bf16 && launch_attention_decode(p, stream))) launch_attention_generic(p, bf16, stream);
+    const bool launched =
+        bf16 && (launch_attention_decode_bulk(p, stream) || launch_attention_decode(p, stream));
+    if (!launched) launch_attention_generic(p, bf16, stream);
     launch_attention_combine(p, stream);
     return;
   }

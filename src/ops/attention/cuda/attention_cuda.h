@@ -14,8 +14,10 @@
 // Paths: bf16 with Tq >= 16 runs a tensor-core flash-attention kernel (mma.sync bf16, fp32
 // softmax and accumulation; Dk, Dv <= 256, zero-padded to multiples of 16 inside); small Tq
 // (decode, a few tokens) runs a split-sequence kernel in which one block serves every query
-// head of a KV head, so a shared KV head (MLA's latent) is read once per step; fp32 inputs run
-// a plain fp32 kernel (exact to fp32 rounding; the path held to 1e-4 against the CPU).
+// head of a KV head, so a shared KV head (MLA's latent) is read once per step (on sm_90, for
+// MLA's 576/512 with v aliasing k, a bulk-copy-fed variant with 32-key tiles; else a cp.async
+// one with 64-key tiles); fp32 inputs run a plain fp32 kernel (exact to fp32 rounding; the
+// path held to 1e-4 against the CPU).
 #pragma once
 #include <cuda_runtime.h>
 

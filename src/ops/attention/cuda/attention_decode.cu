@@ -296,33 +296,81 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 }
 
-__global__ void __launch_bounds__(128) attention_combine_kernel(AttentionParams p) {
+// Block (row, chunk of kCombineCols value columns): the split weights exp(m_s - M) and the
+// normaliser once in shared memory, then warp w sums splits w, w + 8, ... for its lane's VEC
+// columns (independent loads in flight), and the 8 warp sums are added in shared memory.
+constexpr int kCombineWarps = 8;
+constexpr int kCombineThreads = 32 * kCombineWarps;
+static_assert(kCombineThreads >= kAttentionMaxSplits, "one thread per split for the weights");
+
+template <int VEC>
+__global__ void __launch_bounds__(kCombineThreads) attention_combine_kernel(AttentionParams p) {
+  constexpr int kCols = 32 * VEC;
   __shared__ float weight[kAttentionMaxSplits];
-  __shared__ float inv_l;
+  __shared__ float red[kCombineWarps];
+  __shared__ float acc_s[kCombineWarps][kCols];
   const int64_t rows = p.Tq * p.Hq;
   const int64_t row = blockIdx.x;
-  const int nsplit = p.nsplit;
-  float M = -INFINITY;
-  for (int s = 0; s < nsplit; ++s) M = fmaxf(M, p.part_m[int64_t(s) * rows + row]);
-  for (int s = threadIdx.x; s < nsplit; s += blockDim.x) {
-    const float ms = p.part_m[int64_t(s) * rows + row];
-    weight[s] = ms == -INFINITY ? 0.f : expf(ms - M);
-  }
+  const int nsplit = p.nsplit, Dv = p.Dv;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched as a programmatic dependent of the decode kernel (sm_90): wait for its partials.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+
+  const float ms = tid < nsplit ? p.part_m[int64_t(tid) * rows + row] : -INFINITY;
+  const float ls = tid < nsplit ? p.part_l[int64_t(tid) * rows + row] : 0.f;
+  float mx = ms;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if (lane == 0) red[warp] = mx;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    float L = 0.f;
-    for (int s = 0; s < nsplit; ++s) L += weight[s] * p.part_l[int64_t(s) * rows + row];
-    inv_l = 1.f / L;  // split 0 holds key 0, visible to every row: L >= 1
-  }
+  float M = red[0];
+#pragma unroll
+  for (int w = 1; w < kCombineWarps; ++w) M = fmaxf(M, red[w]);
+  const float wt = ms == -INFINITY ? 0.f : expf(ms - M);
+  if (tid < nsplit) weight[tid] = wt;
+  float lw = wt != 0.f ? wt * ls : 0.f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) lw += __shfl_xor_sync(0xffffffffu, lw, o);
+  __syncthreads();  // every thread has read red (the max)
+  if (lane == 0) red[warp] = lw;
   __syncthreads();
-  const int Dv = p.Dv;
-  for (int c = threadIdx.x; c < Dv; c += blockDim.x) {
-    float acc = 0.f;
-    for (int s = 0; s < nsplit; ++s) {
+  float L = 0.f;
+#pragma unroll
+  for (int w = 0; w < kCombineWarps; ++w) L += red[w];
+  const float inv_l = 1.f / L;  // split 0 holds key 0, visible to every row: L >= 1
+
+  const int c = blockIdx.y * kCols + lane * VEC;
+  float acc[VEC] = {};
+  if (c < Dv) {
+    // Every split wrote its acc (0 where it saw no key): load unconditionally so the loads
+    // overlap, and let a zero weight select 0 (no 0 * inf).
+#pragma unroll 4
+    for (int s = warp; s < nsplit; s += kCombineWarps) {
       const float w = weight[s];
-      if (w != 0.f) acc = fmaf(w, p.part_acc[(int64_t(s) * rows + row) * Dv + c], acc);
+      const float* src = p.part_acc + (int64_t(s) * rows + row) * Dv + c;
+      float v[VEC];
+      if constexpr (VEC == 4) {
+        const float4 v4 = *reinterpret_cast<const float4*>(src);
+        v[0] = v4.x, v[1] = v4.y, v[2] = v4.z, v[3] = v4.w;
+      } else {
+        v[0] = src[0];
+      }
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[e] += w != 0.f ? w * v[e] : 0.f;
     }
-    p.o[row * Dv + c] = acc * inv_l;
+  }
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) acc_s[warp][lane * VEC + e] = acc[e];
+  __syncthreads();
+  for (int i = tid; i < kCols; i += kCombineThreads) {
+    const int col = blockIdx.y * kCols + i;
+    if (col >= Dv) continue;
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kCombineWarps; ++w) sum += acc_s[w][i];
+    p.o[row * Dv + col] = sum * inv_l;
   }
 }
 
@@ -364,7 +412,7 @@ bool aligned16(const void* ptr) {
 }  // namespace
 
 bool launch_attention_decode(const AttentionParams& p, cudaStream_t stream) {
-  if (p.nsplit < 1 || p.nsplit > kAttentionMaxSplits || p.split_len % kBN != 0) return false;
+  if (p.nsplit < 1 || p.nsplit > kAttentionMaxSplits || p.split_len < 1) return false;
   if (p.Dk % 8 != 0 || p.Dv % 8 != 0 || p.Dv > 128 * kWarps) return false;
   if (p.q_stride % 8 != 0 || p.k_stride % 8 != 0 || p.v_stride % 8 != 0) return false;
   if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v)) return false;
@@ -380,9 +428,26 @@ bool launch_attention_decode(const AttentionParams& p, cudaStream_t stream) {
 }
 
 void launch_attention_combine(const AttentionParams& p, cudaStream_t stream) {
-  require(p.nsplit >= 1 && p.nsplit <= kAttentionMaxSplits,
-          "attention_forward: bad split count (internal)");
-  attention_combine_kernel<<<unsigned(p.Tq * p.Hq), 128, 0, stream>>>(p);
+  if (p.nsplit < 1 || p.nsplit > kAttentionMaxSplits)
+    throw kda::Error("attention_forward: bad split count (internal)");
+  const unsigned rows = unsigned(p.Tq * p.Hq);
+  const bool vec4 = p.Dv % 4 == 0 && (reinterpret_cast<uintptr_t>(p.part_acc) & 15u) == 0;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(rows, unsigned((p.Dv + (vec4 ? 127 : 31)) / (vec4 ? 128 : 32)));
+  config.blockDim = dim3(kCombineThreads);
+  config.stream = stream;
+  // sm_90: programmatic dependent launch, so this grid is scheduled while the decode kernel
+  // finishes (it waits for the partials with griddepcontrol.wait).
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  if (attention_cc_major() >= 9) {
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+  }
+  check_cuda(vec4 ? cudaLaunchKernelEx(&config, attention_combine_kernel<4>, p)
+                  : cudaLaunchKernelEx(&config, attention_combine_kernel<1>, p),
+             "attention_combine_kernel launch");
   check_launch("attention_combine_kernel");
 }
 

@@ -27,17 +27,19 @@ struct AttentionParams {
   float* part_m = nullptr;
   float* part_l = nullptr;
   int nsplit = 0;
-  int64_t split_len = 0;  // keys per split (a multiple of kAttentionKeyTile)
+  int64_t split_len = 0;  // keys per split (a multiple of the decode kernel's key tile)
 };
 
-constexpr int kAttentionKeyTile = 64;  // keys per tile in the tensor-core kernels
-constexpr int kAttentionMaxDk = 576;   // MLA's latent + rope width
-constexpr int kAttentionMaxDv = 512;   // MLA's latent width
+constexpr int kAttentionKeyTile = 64;      // keys per tile in the tensor-core kernels
+constexpr int kAttentionBulkKeyTile = 32;  // keys per tile of the bulk-copy decode kernel
+constexpr int kAttentionMaxDk = 576;       // MLA's latent + rope width
+constexpr int kAttentionMaxDv = 512;       // MLA's latent width
 constexpr int kAttentionMaxSplits = 256;
 
 // Largest dynamic shared memory a block may opt into on the current device (cached).
 int attention_max_smem();
 int attention_sm_count();
+int attention_cc_major();  // compute capability major of the current device (cached)
 
 // fp32-exact kernel (one warp per query row, fp32 FMA, expf): elem_bf16 picks the element type.
 // nsplit == 0: writes o directly over keys [0, q_offset + t]; else writes the split partials.
@@ -50,6 +52,14 @@ bool launch_attention_prefill(const AttentionParams& p, cudaStream_t stream);
 // Tensor-core split-sequence decode (bf16): writes the split partials. Returns false (launching
 // nothing) when unsupported (the caller falls back to the generic kernel with splits).
 bool launch_attention_decode(const AttentionParams& p, cudaStream_t stream);
+
+// Bulk-copy split decode (bf16, sm_90; attention_decode_bulk.cu): blocks of it one SM holds for
+// these sizes (rows_per_kv_head = Hq / Hkv * Tq), 0 when it does not take them; the plan then
+// uses splits of whole kAttentionBulkKeyTile tiles. The launcher returns false (launching
+// nothing) for layouts it does not take (the caller falls back to launch_attention_decode).
+int attention_decode_bulk_blocks_per_sm(int64_t Dk, int64_t Dv, int64_t rows_per_kv_head,
+                                        bool v_alias);
+bool launch_attention_decode_bulk(const AttentionParams& p, cudaStream_t stream);
 
 // Merges the split partials into o.
 void launch_attention_combine(const AttentionParams& p, cudaStream_t stream);

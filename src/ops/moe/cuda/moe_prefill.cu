@@ -16,7 +16,8 @@
 namespace kda::ops::cuda::moe_detail {
 namespace {
 
-constexpr int kChunk = 512;  // pairs per block in the counting sort
+constexpr int kChunk = 512;         // pairs per block in the counting sort
+constexpr int64_t kRowBucket = 64;  // expert row counts rounded up to this (see experts_prefill)
 
 // chunk_counts[c, e] = how many pairs of chunk c chose expert e. Shared: E ints.
 __global__ void __launch_bounds__(kChunk)
@@ -165,10 +166,16 @@ void experts_prefill(const MoeDeviceWeights& w, int64_t num_experts, const void*
 
   ws.order.reserve(size_t(2 * pairs) * sizeof(int32_t));
   ws.counts.reserve(size_t(chunks * E + E + 1) * sizeof(int32_t));
-  ws.rows.reserve(size_t(pairs * D) * esize);
-  ws.hidden.reserve(size_t(pairs * 2 * I) * esize);
-  ws.act.reserve(size_t(pairs * I) * esize);
-  ws.out.reserve(size_t(pairs * D) * sizeof(float));
+  // Each expert's products run on its row count rounded up to kRowBucket: cuBLAS picks a
+  // kernel per new problem shape (a heuristic query costing ~0.1-1 ms), and exact counts make
+  // almost every call of a prefill a new shape. The extra rows read the next expert's rows (or
+  // the slack below) and write outputs that the next expert's products overwrite, in stream
+  // order; the last expert's land in the slack.
+  const int64_t rows_alloc = pairs + kRowBucket;
+  ws.rows.reserve(size_t(rows_alloc * D) * esize);
+  ws.hidden.reserve(size_t(rows_alloc * 2 * I) * esize);
+  ws.act.reserve(size_t(rows_alloc * I) * esize);
+  ws.out.reserve(size_t(rows_alloc * D) * sizeof(float));
   int32_t* order = ws.order.as<int32_t>();
   int32_t* position = order + pairs;
   int32_t* chunk_counts = ws.counts.as<int32_t>();
@@ -196,10 +203,11 @@ void experts_prefill(const MoeDeviceWeights& w, int64_t num_experts, const void*
   check_cuda(cudaStreamSynchronize(stream), "moe prefill (offsets to host)");
   require(host_offsets[size_t(E)] == pairs, "moe prefill: the expert counts do not add up");
 
+  auto bucketed = [](int64_t n) { return (n + kRowBucket - 1) / kRowBucket * kRowBucket; };
   for (int64_t e = 0; e < E; ++e) {
     const int64_t first = host_offsets[size_t(e)], n = host_offsets[size_t(e + 1)] - first;
     if (n == 0) continue;
-    gemm.linear(type, n, 2 * I, D, {at(ws.rows.data(), first * D, esize), 0},
+    gemm.linear(type, bucketed(n), 2 * I, D, {at(ws.rows.data(), first * D, esize), 0},
                 {at(w.gate_up, e * 2 * I * D, esize), 0},
                 {at(ws.hidden.data(), first * 2 * I, esize), type, 0});
   }
@@ -215,7 +223,7 @@ void experts_prefill(const MoeDeviceWeights& w, int64_t num_experts, const void*
   for (int64_t e = 0; e < E; ++e) {
     const int64_t first = host_offsets[size_t(e)], n = host_offsets[size_t(e + 1)] - first;
     if (n == 0) continue;
-    gemm.linear(type, n, D, I, {at(ws.act.data(), first * I, esize), 0},
+    gemm.linear(type, bucketed(n), D, I, {at(ws.act.data(), first * I, esize), 0},
                 {at(w.down, e * D * I, esize), 0},
                 {at(ws.out.data(), first * D, sizeof(float)), ElementType::f32, 0});
   }
