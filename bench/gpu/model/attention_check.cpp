@@ -7,10 +7,14 @@
 // a few tokens with q_offset; a cache longer than what the queries see; MLA absorbed decode (MQA
 // Hq = 32 / 64, Dk = 576, Dv = 512, v aliasing k); GPT-2, Kimi MLA-expanded prefill and the tiny
 // model's shapes; grouped heads; strided q (aligned and not); head dims not a multiple of 8.
+// Tk_device (the key count read from device memory, Tk only the plan's bound): MLA and GPT-2
+// decode at n = 1, 33, 1000, 8192 of 8192 and Tq = 2 at n = 500, the cache past n and the
+// workspace NaN; one launch captured in a graph and replayed with other n.
 // Timings (--bench): prefill H = 32, Dk = 192, Dv = 128 at T = 4096, 16384 (TFLOP/s); MLA
 // decode (Hq = 32, Hkv = 1, Dk = 576, Dv = 512) at Tk = 4096, 32768, 131072 (cache read GB/s).
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -329,6 +333,145 @@ void check_bad_arguments(Tally& tally) {
   report(tally, "attention rejects Tk < q_offset + Tq", threw ? 0.0 : 1.0, 0.0);
 }
 
+// ---- Tk_device: one launch (plan, grid, workspace sized by the bound Tk) over n keys read from
+// device memory, as a captured decode graph replays it while the cache grows.
+
+// NaN bytes in every cache row >= n (k, and v unless it aliases k): keys past n must not leak.
+void poison_cache_from(const Case& c, const Inputs& in, ElementType type, int64_t n) {
+  const Strides st = strides_of(c);
+  const size_t e = cu::element_bytes(type);
+  poison(static_cast<char*>(in.k.data()) + size_t(n * st.k) * e, size_t((c.Tk - n) * st.k) * e);
+  if (!c.v_alias)
+    poison(static_cast<char*>(in.v.data()) + size_t(n * st.v) * e, size_t((c.Tk - n) * st.v) * e);
+}
+
+// o against the reference over the first n keys, queries at n - Tq + t.
+double device_len_error(const Case& c, const Inputs& in, const DeviceBuffer& o, int64_t n) {
+  Case used = c;
+  used.Tk = n;
+  used.q_offset = n - c.Tq;
+  const std::vector<double> got =
+      from_device(o.data(), size_t(c.Tq * c.Hq * c.Dv), ElementType::f32);
+  const std::vector<double>& vref = c.v_alias ? in.k.rounded : in.v.rounded;
+  return rel_error(
+      got, reference(used, in.q.rounded, in.k.rounded, vref, 1.0 / std::sqrt(double(c.Dk))));
+}
+
+void set_device_len(DeviceBuffer& len, int64_t n) {
+  const int32_t value = int32_t(n);
+  len.upload(&value, sizeof(value));
+}
+
+// c.Tk is the plan's bound; n keys in use, the rest NaN; workspace poisoned too (an empty split's
+// partials must not leak).
+void run_device_len_case(const Case& c, ElementType type, int64_t n, Tally& tally) {
+  Inputs in = make_inputs(c, type);
+  poison_cache_from(c, in, type, n);
+  DeviceBuffer len(sizeof(int32_t));
+  set_device_len(len, n);
+  in.args.Tk_device = len.as<int32_t>();
+  in.args.q_offset = c.Tk;  // ignored with Tk_device (would be out of range otherwise)
+  DeviceBuffer o(size_t(c.Tq * c.Hq * c.Dv) * sizeof(float));
+  poison(o.data(), o.bytes());
+  in.args.o = o.as<float>();
+  DeviceBuffer workspace(cu::attention_workspace_bytes(in.args));
+  poison(workspace.data(), workspace.bytes());
+  cu::attention_forward(in.args, workspace.data(), workspace.bytes(), nullptr);
+  cu::check_cuda(cudaDeviceSynchronize(), "attention check (Tk_device)");
+  const bool f32 = type == ElementType::f32;
+  report(tally,
+         "attention Tk_device " + c.name + " n=" + std::to_string(n) + (f32 ? " f32" : " bf16"),
+         device_len_error(c, in, o, n), f32 ? 1e-5 : 1e-2);
+}
+
+// The graph use: one launch captured once (same args, same workspace), replayed with other n.
+// Cache rows >= the largest n are NaN.
+void run_device_len_replay(const Case& c, ElementType type, Tally& tally) {
+  const std::vector<int64_t> ns = {1000, 33, 5000, 1, 1000};
+  const int64_t n_max = *std::max_element(ns.begin(), ns.end());
+  Inputs in = make_inputs(c, type);
+  poison_cache_from(c, in, type, n_max);
+  DeviceBuffer len(sizeof(int32_t));
+  in.args.Tk_device = len.as<int32_t>();
+  DeviceBuffer o(size_t(c.Tq * c.Hq * c.Dv) * sizeof(float));
+  in.args.o = o.as<float>();
+  DeviceBuffer workspace(cu::attention_workspace_bytes(in.args));
+  poison(workspace.data(), workspace.bytes());
+  cudaStream_t stream = nullptr;
+  cu::check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  cudaGraphExec_t graph = nullptr;
+  double worst = 0;
+  for (size_t i = 0; i < ns.size(); ++i) {
+    set_device_len(len, ns[i]);
+    poison(o.data(), o.bytes());
+    // The copies and memsets ran on the legacy stream, which `stream` does not wait for.
+    cu::check_cuda(cudaDeviceSynchronize(), "attention check (Tk_device replay setup)");
+    if (i == 0) {  // eager first (caches the kernels' attributes), then capture
+      cu::attention_forward(in.args, workspace.data(), workspace.bytes(), stream);
+    } else {
+      if (graph == nullptr) {
+        cudaGraph_t captured = nullptr;
+        cu::check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal),
+                       "cudaStreamBeginCapture");
+        cu::attention_forward(in.args, workspace.data(), workspace.bytes(), stream);
+        cu::check_cuda(cudaStreamEndCapture(stream, &captured), "cudaStreamEndCapture");
+        const cudaError_t made = cudaGraphInstantiate(&graph, captured, 0);
+        cudaGraphDestroy(captured);
+        cu::check_cuda(made, "cudaGraphInstantiate");
+      }
+      cu::check_cuda(cudaGraphLaunch(graph, stream), "cudaGraphLaunch");
+    }
+    cu::check_cuda(cudaStreamSynchronize(stream), "attention check (Tk_device replay)");
+    worst = std::max(worst, device_len_error(c, in, o, ns[i]));
+  }
+  if (graph) cudaGraphExecDestroy(graph);
+  cudaStreamDestroy(stream);
+  const bool f32 = type == ElementType::f32;
+  report(
+      tally,
+      "attention Tk_device graph replay n=1000,33,5000,1,1000 " + c.name + (f32 ? " f32" : " bf16"),
+      worst, f32 ? 1e-5 : 1e-2);
+}
+
+std::vector<Case> device_len_shapes() {
+  const int64_t bound = 8192;
+  return {{.name = "MLA Tq=1 Tk<=8192 Hq=32 Hkv=1 576/512 v=k",
+           .Tq = 1,
+           .Tk = bound,
+           .Hq = 32,
+           .Hkv = 1,
+           .Dk = 576,
+           .Dv = 512,
+           .v_alias = true},
+          {.name = "GPT-2 Tq=1 Tk<=8192 H=12 D=64", .Tq = 1, .Tk = bound, .Hq = 12, .Hkv = 12}};
+}
+
+void check_device_len(Tally& tally) {
+  for (const Case& shape : device_len_shapes()) {
+    for (ElementType type : {ElementType::f32, ElementType::bf16}) {
+      for (int64_t n : {1, 33, 1000, 8192}) run_device_len_case(shape, type, n, tally);
+      Case two = shape;
+      two.Tq = 2;
+      two.name += " Tq=2";
+      run_device_len_case(two, type, 500, tally);
+      run_device_len_replay(shape, type, tally);
+    }
+  }
+  // Prefill-sized Tq has no Tk_device path: it must throw, not run.
+  cu::AttentionArgs a;
+  a.Tq = 16;
+  a.Tk = 64;
+  a.Dk = a.Dv = 64;
+  a.Tk_device = reinterpret_cast<const int32_t*>(uintptr_t(16));  // never dereferenced
+  bool threw = false;
+  try {
+    cu::attention_workspace_bytes(a);
+  } catch (const kda::Error&) {
+    threw = true;
+  }
+  report(tally, "attention rejects Tk_device with Tq = 16", threw ? 0.0 : 1.0, 0.0);
+}
+
 double median_ms(const cu::AttentionArgs& args, DeviceBuffer& workspace) {
   return time_ms(
       nullptr, [&] { cu::attention_forward(args, workspace.data(), workspace.bytes(), nullptr); });
@@ -380,6 +523,7 @@ void run_suite(const SuiteOptions& options, Tally& tally) {
       run_case(c, ElementType::bf16, tally);
     }
     check_bad_arguments(tally);
+    check_device_len(tally);
   }
   if (options.bench) {
     bench_prefill(4096);

@@ -26,10 +26,16 @@ struct Context {
   struct Scratch {
     DeviceBuffer h, x32, xc, out, proj, q, k, v, qc, kc, vc, lowrank, graw, gate, g, beta, attn,
         normed, state, kvb, keys, values, o_latent, o_latent_c, workspace, slot, ids, logits,
-        hidden;
+        hidden, staging;
     ops::cuda::MoeDeviceWorkspace moe;
   } s;
   StageTimer timer;  // KDA_CUDA_PROFILE: time per stage
+  // Decode steps replayed from a CUDA graph (kimi_linear_cuda.cpp): nothing the graph's
+  // kernels read may change between replays but memory contents, so the sequence length comes
+  // from device memory (tokens held after this step) and the MLA attention is planned for up to
+  // `plan_keys` keys. Null: eager launches planned for the exact length.
+  const int32_t* length_device = nullptr;
+  int64_t plan_keys = 0;
   cudaStream_t stream() const { return gemm.stream(); }
   size_t esize() const { return ops::cuda::element_bytes(type); }
 };

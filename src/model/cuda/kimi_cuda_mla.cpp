@@ -83,10 +83,14 @@ void mla_forward(const KimiLinearConfig& c, const MlaDeviceWeights& w, const voi
   ctx.gemm.linear(type, T, row, D, {xc, D}, {w.kv_a.data(), D}, {rows32, ElementType::f32});
   const int64_t past = cache.length;
   char* cache_rows = cache.rows.as<char>();
-  char* new_rows = cache_rows + size_t(past * row) * es;
+  // A replayed decode step writes its row to a fixed place and appends it where the device-side
+  // length says; otherwise the row goes straight to its place in the cache.
+  const bool replayed = ctx.length_device && T == 1;
+  char* new_rows = replayed ? take<char>(s.staging, row, es) : cache_rows + size_t(past * row) * es;
   k::rms_norm(rows32, T, L, row, w.kv_a_layernorm.as<float>(), kKimiLatentNormEps,
               {new_rows, type, row}, stream);
   k::copy_rows(rows32 + L, T, rope, row, {new_rows + size_t(L) * es, type, row}, stream);
+  if (replayed) mla_append_row(new_rows, cache_rows, row, type, ctx.length_device, stream);
   cache.length += T;
   const int64_t Tk = cache.length;
 
@@ -144,6 +148,10 @@ void mla_forward(const KimiLinearConfig& c, const MlaDeviceWeights& w, const voi
     a.k_row_stride = row;
     a.v_row_stride = row;
     a.q_offset = past;
+    if (replayed) {
+      a.Tk = ctx.plan_keys;
+      a.Tk_device = ctx.length_device;
+    }
     a.scale = scale;
     a.o = o_lat;
     const size_t ws = k::attention_workspace_bytes(a);

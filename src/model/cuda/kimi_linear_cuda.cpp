@@ -2,6 +2,7 @@
 // and the lm_head; per sequence a fixed-size KDA state and conv window per KDA layer and a
 // growing latent cache per MLA layer (capacity max_context rows), as model/kimi_linear.cpp.
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 
 #include "core/error.h"
@@ -41,6 +42,9 @@ class KimiCudaSession final : public Session {
 
  private:
   Tensor run(std::span<const int32_t> ids, bool last_only);
+  // One token through a CUDA graph of the whole step (see decode_step in the .cpp).
+  Tensor decode_step(int32_t id);
+  void drop_graph();
 
   const KimiLinearCuda& model_;
   int64_t length_ = 0, max_context_ = 0;
@@ -49,7 +53,24 @@ class KimiCudaSession final : public Session {
   std::unique_ptr<Context> ctx_;
   std::vector<KdaDeviceState> kda_;        // per layer (empty for MLA layers)
   std::vector<LatentDeviceCache> latent_;  // per layer (empty for KDA layers)
+
+  // Decode graph: captured on the second step planned for the same key bound (the first, run
+  // eagerly, sizes every buffer), replayed until a prefill or a larger bound. Host-side values
+  // go through pinned memory so that the copies are fixed nodes of the stream's work.
+  bool graphs_ = false;
+  cudaGraphExec_t graph_ = nullptr;
+  int64_t graph_plan_ = 0, eager_plan_ = 0;
+  DeviceBuffer length_device_;
+  int32_t* pinned_ = nullptr;       // [0] token id, [1] length after the step
+  float* pinned_logits_ = nullptr;  // [V]
 };
+
+// Key bound a decode graph is planned for: the length rounded up to 4096 tokens (a graph
+// serves 4096 steps before it is captured again), within the session's context.
+int64_t graph_plan_keys(int64_t length, int64_t max_context) {
+  constexpr int64_t kStep = 4096;
+  return std::min(max_context, (length + kStep - 1) / kStep * kStep);
+}
 
 class KimiLinearCuda final : public CausalLM {
  public:
@@ -76,9 +97,11 @@ class KimiLinearCuda final : public CausalLM {
   ElementType type() const { return type_; }
   // Runs T tokens (already checked) through the stack: h [T, D] fp32 in ctx.s.h; returns the
   // logits of the last `rows` tokens on the host.
-  Tensor run_layers(const int32_t* ids_device, int64_t T, int64_t rows,
-                    std::vector<KdaDeviceState>& kda, std::vector<LatentDeviceCache>& latent,
-                    Context& ctx) const;
+  // Queues T tokens (already checked) through the stack, then the logits of the last `rows`
+  // tokens to host_logits ([rows, V]; null: not computed). Does not wait for the stream.
+  void run_layers(const int32_t* ids_device, int64_t T, int64_t rows,
+                  std::vector<KdaDeviceState>& kda, std::vector<LatentDeviceCache>& latent,
+                  Context& ctx, float* host_logits) const;
 
  private:
   void count_weights();
@@ -160,9 +183,10 @@ void KimiLinearCuda::count_weights() {
   }
 }
 
-Tensor KimiLinearCuda::run_layers(const int32_t* ids_device, int64_t T, int64_t rows,
-                                  std::vector<KdaDeviceState>& kda,
-                                  std::vector<LatentDeviceCache>& latent, Context& ctx) const {
+void KimiLinearCuda::run_layers(const int32_t* ids_device, int64_t T, int64_t rows,
+                                std::vector<KdaDeviceState>& kda,
+                                std::vector<LatentDeviceCache>& latent, Context& ctx,
+                                float* host_logits) const {
   const KimiLinearConfig& c = config_;
   const int64_t D = c.hidden_size, V = c.vocab_size;
   const float eps = float(c.rms_norm_eps);
@@ -195,16 +219,14 @@ Tensor KimiLinearCuda::run_layers(const int32_t* ids_device, int64_t T, int64_t 
     k::add_inplace(h, out, T * D, stream);
     timer.mark(stream, T == 1 ? "ffn decode routed" : "ffn routed");
   }
+  if (!host_logits) return;
   k::rms_norm(h + (T - rows) * D, rows, D, D, final_norm_.as<float>(), eps, {xc, type_}, stream);
   float* logits = take(s.logits, rows * V);
   ctx.gemm.linear(type_, rows, V, D, {xc, D}, {lm_head_.data(), D}, {logits, ElementType::f32});
-  Tensor result(DType::f32, {rows, V});
   k::check_cuda(
-      cudaMemcpyAsync(result.f32(), logits, size_t(rows * V) * 4, cudaMemcpyDeviceToHost, stream),
+      cudaMemcpyAsync(host_logits, logits, size_t(rows * V) * 4, cudaMemcpyDeviceToHost, stream),
       "cudaMemcpyAsync (logits)");
-  k::check_cuda(cudaStreamSynchronize(stream), "kimi_linear (cuda) forward");
   timer.mark(stream, "lm_head");
-  return result;
 }
 
 KimiCudaSession::KimiCudaSession(const KimiLinearCuda& model, int64_t max_context) : model_(model) {
@@ -216,6 +238,13 @@ KimiCudaSession::KimiCudaSession(const KimiLinearCuda& model, int64_t max_contex
   ctx_ = std::make_unique<Context>(Context{*gemm_, model.type(), {}, {}});
   kda_.resize(size_t(c.num_layers));
   latent_.resize(size_t(c.num_layers));
+  const char* knob = std::getenv("KDA_CUDA_GRAPH");
+  graphs_ = !(knob && knob[0] == '0') && !ctx_->timer.enabled();
+  if (graphs_) {
+    length_device_.resize(4);
+    k::check_cuda(cudaMallocHost(&pinned_, 2 * sizeof(int32_t)), "cudaMallocHost");
+    k::check_cuda(cudaMallocHost(&pinned_logits_, size_t(c.vocab_size) * 4), "cudaMallocHost");
+  }
   for (int64_t i = 0; i < c.num_layers; ++i) {
     if (c.mixers[i] == KimiMixer::kda) {
       kda_[i] = new_kda_device_state(c);
@@ -227,7 +256,16 @@ KimiCudaSession::KimiCudaSession(const KimiLinearCuda& model, int64_t max_contex
   }
 }
 
+void KimiCudaSession::drop_graph() {
+  if (graph_) cudaGraphExecDestroy(graph_);
+  graph_ = nullptr;
+  graph_plan_ = eager_plan_ = 0;
+}
+
 KimiCudaSession::~KimiCudaSession() {
+  drop_graph();
+  if (pinned_) cudaFreeHost(pinned_);
+  if (pinned_logits_) cudaFreeHost(pinned_logits_);
   if (ctx_)
     ctx_->timer.report("kimi_linear (cuda) session of " + std::to_string(length_) + " tokens");
   ctx_.reset();
@@ -258,6 +296,8 @@ Tensor KimiCudaSession::run(std::span<const int32_t> ids, bool last_only) {
                                            " is outside the vocabulary [0, " + std::to_string(V) +
                                            ")");
   }
+  if (T == 1 && graphs_) return decode_step(ids[0]);
+  drop_graph();  // a prefill may grow (move) the buffers a graph points at
   Tensor logits(DType::f32, {last_only ? 1 : T, V});
   for (int64_t start = 0; start < T; start += kPrefillPieceTokens) {
     const int64_t n = std::min(kPrefillPieceTokens, T - start);
@@ -266,15 +306,56 @@ Tensor KimiCudaSession::run(std::span<const int32_t> ids, bool last_only) {
                                   cudaMemcpyHostToDevice, stream_),
                   "cudaMemcpyAsync (ids)");
     const bool last_piece = start + n == T;
-    if (last_only && !last_piece) {
-      model_.run_layers(ids_device, n, 1, kda_, latent_, *ctx_);  // logits unused
-    } else {
-      const int64_t rows = last_only ? 1 : n;
-      const Tensor piece = model_.run_layers(ids_device, n, rows, kda_, latent_, *ctx_);
-      std::copy_n(piece.f32(), rows * V, logits.f32() + (last_only ? 0 : start * V));
-    }
+    float* host = last_only ? (last_piece ? logits.f32() : nullptr) : logits.f32() + start * V;
+    model_.run_layers(ids_device, n, last_only ? 1 : n, kda_, latent_, *ctx_, host);
+    k::check_cuda(cudaStreamSynchronize(stream_), "kimi_linear (cuda) forward");
     length_ += n;
   }
+  return logits;
+}
+
+// A decode step as one CUDA graph launch: ~40 kernels and GEMMs a layer are launched by the
+// GPU from the graph instead of one by one from the host. The graph is fixed, so what changes
+// per step lives in device memory: the token id, and the length the MLA layers append at and
+// attend over (attention planned for up to graph_plan_ keys).
+Tensor KimiCudaSession::decode_step(int32_t id) {
+  const int64_t V = model_.vocab_size();
+  const int64_t plan = graph_plan_keys(length_ + 1, max_context_);
+  int32_t* ids_device = take<int32_t>(ctx_->s.ids, 1);
+  pinned_[0] = id;
+  pinned_[1] = int32_t(length_ + 1);
+  k::check_cuda(cudaMemcpyAsync(ids_device, pinned_, 4, cudaMemcpyHostToDevice, stream_),
+                "cudaMemcpyAsync (id)");
+  k::check_cuda(
+      cudaMemcpyAsync(length_device_.data(), pinned_ + 1, 4, cudaMemcpyHostToDevice, stream_),
+      "cudaMemcpyAsync (length)");
+  ctx_->length_device = length_device_.as<int32_t>();
+  ctx_->plan_keys = plan;
+  if (graph_ && plan == graph_plan_) {
+    k::check_cuda(cudaGraphLaunch(graph_, stream_), "cudaGraphLaunch");
+    for (LatentDeviceCache& cache : latent_) cache.length += cache.capacity > 0;  // host's count
+  } else if (eager_plan_ == plan) {
+    if (graph_) cudaGraphExecDestroy(graph_);
+    graph_ = nullptr;
+    cudaGraph_t graph = nullptr;
+    k::check_cuda(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal),
+                  "cudaStreamBeginCapture");
+    model_.run_layers(ids_device, 1, 1, kda_, latent_, *ctx_, pinned_logits_);
+    k::check_cuda(cudaStreamEndCapture(stream_, &graph), "cudaStreamEndCapture");
+    const cudaError_t made = cudaGraphInstantiate(&graph_, graph, 0);
+    cudaGraphDestroy(graph);
+    k::check_cuda(made, "cudaGraphInstantiate");
+    graph_plan_ = plan;
+    k::check_cuda(cudaGraphLaunch(graph_, stream_), "cudaGraphLaunch");
+  } else {  // first step for this bound: eager, sizing every buffer the graph will use
+    model_.run_layers(ids_device, 1, 1, kda_, latent_, *ctx_, pinned_logits_);
+    eager_plan_ = plan;
+  }
+  ctx_->length_device = nullptr;
+  k::check_cuda(cudaStreamSynchronize(stream_), "kimi_linear (cuda) decode step");
+  length_ += 1;
+  Tensor logits(DType::f32, {1, V});
+  std::copy_n(pinned_logits_, V, logits.f32());
   return logits;
 }
 

@@ -41,7 +41,24 @@ __global__ void expand_kernel(const float* kvb, const T* rows, int64_t H, int64_
   }
 }
 
+// One block; 4-byte units (a row of bf16 latent + rope values is 1152 bytes).
+__global__ void append_row_kernel(const uint32_t* row, uint32_t* cache_rows, int64_t units,
+                                  const int32_t* length_device) {
+  const int64_t at = int64_t(*length_device - 1) * units;
+  for (int64_t u = threadIdx.x; u < units; u += blockDim.x) cache_rows[at + u] = row[u];
+}
+
 }  // namespace
+
+void mla_append_row(const void* row, void* cache_rows, int64_t width, ops::cuda::ElementType type,
+                    const int32_t* length_device, cudaStream_t stream) {
+  const int64_t bytes = width * int64_t(ops::cuda::element_bytes(type));
+  require(bytes % 4 == 0, "mla_append_row: the row must be a whole number of 4-byte units");
+  append_row_kernel<<<1, 256, 0, stream>>>(static_cast<const uint32_t*>(row),
+                                           static_cast<uint32_t*>(cache_rows), bytes / 4,
+                                           length_device);
+  ops::cuda::check_cuda(cudaGetLastError(), "mla_append_row");
+}
 
 void mla_expand_keys_values(const float* kvb, const void* rows, int64_t Tk, int64_t H, int64_t nope,
                             int64_t rope, int64_t v, int64_t latent, ops::cuda::ElementType type,

@@ -16,4 +16,10 @@ void mla_expand_keys_values(const float* kvb, const void* rows, int64_t Tk, int6
                             int64_t rope, int64_t v, int64_t latent, ops::cuda::ElementType type,
                             void* keys, void* values, cudaStream_t stream);
 
+// cache_rows[length - 1, :] = row, with `length` read from device memory when the kernel runs
+// (a decode step's new latent row, appended by a replayed CUDA graph). `width` elements of
+// `type` per row.
+void mla_append_row(const void* row, void* cache_rows, int64_t width, ops::cuda::ElementType type,
+                    const int32_t* length_device, cudaStream_t stream);
+
 }  // namespace kda::model::cuda

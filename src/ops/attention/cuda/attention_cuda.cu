@@ -104,11 +104,22 @@ void validate_sizes(const AttentionArgs& a) {
     return std::string("attention_forward: Dv must be in [1, 512] (got " + std::to_string(a.Dv) +
                        ")");
   });
-  check(a.q_offset >= 0, [&] { return std::string("attention_forward: q_offset must be >= 0"); });
-  check(a.q_offset + a.Tq <= a.Tk, [&] {
-    return std::string("attention_forward: Tk (" + std::to_string(a.Tk) +
-                       ") must be >= q_offset + Tq (" + std::to_string(a.q_offset + a.Tq) + ")");
-  });
+  if (a.Tk_device == nullptr) {
+    check(a.q_offset >= 0, [&] { return std::string("attention_forward: q_offset must be >= 0"); });
+    check(a.q_offset + a.Tq <= a.Tk, [&] {
+      return std::string("attention_forward: Tk (" + std::to_string(a.Tk) +
+                         ") must be >= q_offset + Tq (" + std::to_string(a.q_offset + a.Tq) + ")");
+    });
+  } else {  // q_offset is ignored (n - Tq); Tk bounds n
+    check(a.Tq <= kDecodeMaxTq, [&] {
+      return std::string("attention_forward: Tk_device supports decode only (Tq <= " +
+                         std::to_string(kDecodeMaxTq) + ", got " + std::to_string(a.Tq) + ")");
+    });
+    check(a.Tq <= a.Tk, [&] {
+      return std::string("attention_forward: Tk (" + std::to_string(a.Tk) + ") must be >= Tq (" +
+                         std::to_string(a.Tq) + ")");
+    });
+  }
   check(a.Tk < (int64_t(1) << 31), [&] { return std::string("attention_forward: Tk too large"); });
   check(a.Tq * a.Hq < (int64_t(1) << 31),
         [&] { return std::string("attention_forward: Tq * Hq too large"); });
@@ -136,7 +147,8 @@ Plan make_plan(const AttentionArgs& a) {
   Plan plan;
   plan.decode = a.Tq <= kDecodeMaxTq;
   if (!plan.decode) return plan;
-  const int64_t kv_len = a.q_offset + a.Tq;  // keys any query sees
+  // Keys any query sees; with a device count, its bound Tk (the plan must not depend on n).
+  const int64_t kv_len = a.Tk_device != nullptr ? a.Tk : a.q_offset + a.Tq;
   const int64_t group = a.Hq / a.Hkv;
   const int64_t blocks_per_split = a.Hkv * ceil_div(group * a.Tq, kDecodeRowsPerBlock);
   const int64_t k_stride = a.k_row_stride ? a.k_row_stride : a.Hkv * a.Dk;
@@ -188,7 +200,8 @@ void attention_forward(const AttentionArgs& args, void* workspace, size_t worksp
   p.v_stride = args.v_row_stride ? args.v_row_stride : args.Hkv * args.Dv;
   p.Tq = args.Tq;
   p.Tk = args.Tk;
-  p.q_offset = args.q_offset;
+  p.q_offset = args.Tk_device != nullptr ? 0 : args.q_offset;
+  p.kv_len_device = args.Tk_device;
   p.Hq = int(args.Hq);
   p.Hkv = int(args.Hkv);
   p.group = int(args.Hq / args.Hkv);

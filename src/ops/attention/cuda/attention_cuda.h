@@ -38,6 +38,13 @@ struct AttentionArgs {
   int64_t q_offset = 0;
   float scale = 0.f;  // 0: Dk^-0.5
   float* o = nullptr;
+  // Graph replay while the cache grows: when set, the kernels read n = *Tk_device (the keys in
+  // use, Tq <= n <= Tk; clamped into that range) when they run, and the queries are the last Tq
+  // positions of those n keys (q_offset = n - Tq; args.q_offset is ignored). Keys >= n are
+  // never read. Tk is then an upper bound: it alone sizes the split plan, the grid and the
+  // workspace, so one launch (and one attention_workspace_bytes) serves every n. Decode only
+  // (Tq <= 15; larger Tq throws).
+  const int32_t* Tk_device = nullptr;
 };
 
 // Bytes of device workspace attention_forward needs for these sizes (split-sequence partial

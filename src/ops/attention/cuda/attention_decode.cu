@@ -63,10 +63,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t R = int64_t(group) * p.Tq;  // rows of this KV head
   const int64_t row0 = int64_t(blockIdx.x) * kRows;
 
-  const int64_t kv_len = p.q_offset + p.Tq;
+  const KvExtent ext = kv_extent(p);
   const int64_t key_begin = int64_t(split) * p.split_len;
-  const int64_t key_end = min(kv_len, key_begin + p.split_len);
-  const int ntiles = int((key_end - key_begin + kBN - 1) / kBN);  // >= 1 by the plan
+  const int64_t key_end = min(ext.kv_len, key_begin + p.split_len);
+  if (key_begin >= key_end) {  // only past a device key count: the empty partial, acc unwritten
+    write_empty_partial(p, split, kvh, row0, kRows);
+    return;
+  }
+  const int ntiles = int((key_end - key_begin + kBN - 1) / kBN);  // >= 1
 
   const bf16* qbase = static_cast<const bf16*>(p.q);
   const bf16* kbase = static_cast<const bf16*>(p.k) + int64_t(kvh) * Dk;
@@ -121,7 +125,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int r2 = 0; r2 < 2; ++r2) {
       const int64_t rr = row0 + rb * 16 + g + 8 * r2;
-      limit[rb][r2] = rr < R ? p.q_offset + rr / group : -1;
+      limit[rb][r2] = rr < R ? ext.q_offset + rr / group : -1;
     }
 
   float o[RB][DVW / 8][4];
@@ -303,7 +307,9 @@ constexpr int kCombineWarps = 8;
 constexpr int kCombineThreads = 32 * kCombineWarps;
 static_assert(kCombineThreads >= kAttentionMaxSplits, "one thread per split for the weights");
 
-template <int VEC>
+// SKIP_EMPTY (with a device key count): a zero-weight split's acc is not read (empty splits
+// leave it unwritten).
+template <int VEC, bool SKIP_EMPTY>
 __global__ void __launch_bounds__(kCombineThreads) attention_combine_kernel(AttentionParams p) {
   constexpr int kCols = 32 * VEC;
   __shared__ float weight[kAttentionMaxSplits];
@@ -349,6 +355,9 @@ __global__ void __launch_bounds__(kCombineThreads) attention_combine_kernel(Atte
 #pragma unroll 4
     for (int s = warp; s < nsplit; s += kCombineWarps) {
       const float w = weight[s];
+      if constexpr (SKIP_EMPTY) {
+        if (w == 0.f) continue;  // warp-uniform
+      }
       const float* src = p.part_acc + (int64_t(s) * rows + row) * Dv + c;
       float v[VEC];
       if constexpr (VEC == 4) {
@@ -445,9 +454,14 @@ void launch_attention_combine(const AttentionParams& p, cudaStream_t stream) {
     config.attrs = &attribute;
     config.numAttrs = 1;
   }
-  check_cuda(vec4 ? cudaLaunchKernelEx(&config, attention_combine_kernel<4>, p)
-                  : cudaLaunchKernelEx(&config, attention_combine_kernel<1>, p),
-             "attention_combine_kernel launch");
+  cudaError_t status;
+  if (p.kv_len_device != nullptr)
+    status = vec4 ? cudaLaunchKernelEx(&config, attention_combine_kernel<4, true>, p)
+                  : cudaLaunchKernelEx(&config, attention_combine_kernel<1, true>, p);
+  else
+    status = vec4 ? cudaLaunchKernelEx(&config, attention_combine_kernel<4, false>, p)
+                  : cudaLaunchKernelEx(&config, attention_combine_kernel<1, false>, p);
+  check_cuda(status, "attention_combine_kernel launch");
   check_launch("attention_combine_kernel");
 }
 

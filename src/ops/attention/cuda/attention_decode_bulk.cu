@@ -119,10 +119,9 @@ __global__ void __launch_bounds__(kThreads, 1) attention_decode_bulk_kernel(Atte
   const int64_t R = int64_t(group) * p.Tq;
   const int64_t row0 = int64_t(blockIdx.x) * kRows;
 
-  const int64_t kv_len = p.q_offset + p.Tq;
+  const KvExtent ext = kv_extent(p);
   const int64_t key_begin = int64_t(split) * p.split_len;
-  const int64_t key_end = min(kv_len, key_begin + p.split_len);
-  const int ntiles = int((key_end - key_begin + kBN - 1) / kBN);  // >= 1 by the plan
+  const int64_t key_end = min(ext.kv_len, key_begin + p.split_len);
 
   const bf16* kbase = static_cast<const bf16*>(p.k) + int64_t(kvh) * Dk;
   const bf16* vbase = static_cast<const bf16*>(p.v) + int64_t(kvh) * Dv;
@@ -130,6 +129,11 @@ __global__ void __launch_bounds__(kThreads, 1) attention_decode_bulk_kernel(Atte
 
   // The combine kernel may launch now (programmatic dependent launch); it waits for this grid.
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  if (key_begin >= key_end) {  // only past a device key count: the empty partial, acc unwritten
+    write_empty_partial(p, split, kvh, row0, kRows);
+    return;
+  }
+  const int ntiles = int((key_end - key_begin + kBN - 1) / kBN);  // >= 1
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) mbar_init(&full[s], 1);
@@ -198,7 +202,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_decode_bulk_kernel(Atte
   // last visible key (-1 for padding rows) and running max and sum.
   const int srow = tid / kLpr, skey = (tid % kLpr) * kKpt;
   const int64_t srr = row0 + srow;
-  const int64_t limit = srr < R ? p.q_offset + srr / group : -1;
+  const int64_t limit = srr < R ? ext.q_offset + srr / group : -1;
   float m_run = -INFINITY, l_run = 0.f;
   float o[RB][S::kDvw / 8][4];
 #pragma unroll

@@ -27,8 +27,10 @@ __global__ void __launch_bounds__(32 * kGenericWarps) attention_generic_kernel(A
   const int kvh = h / p.group;
   const int Dk = p.Dk, Dv = p.Dv;
 
-  // Keys of this launch: all visible ones (direct), or this split's share of them.
-  const int64_t visible_end = min(p.q_offset + t + 1, p.Tk);
+  // Keys of this launch: all visible ones (direct), or this split's share of them (none for a
+  // split at or past a device key count: the loop is skipped and it writes the empty partial).
+  const KvExtent ext = kv_extent(p);
+  const int64_t visible_end = min(ext.q_offset + t + 1, p.Tk);
   int64_t key_begin = 0, key_end = visible_end;
   if (p.nsplit > 0) {
     key_begin = int64_t(blockIdx.y) * p.split_len;

@@ -5,9 +5,13 @@
 // results (decode) live in the workspace as acc [nsplit][Tq * Hq][Dv] (unnormalised, relative to
 // the row's running max), then m [nsplit][Tq * Hq] (natural-log units, -inf when the split held
 // no visible key for the row) and l [nsplit][Tq * Hq] (sum of exp(score - m)).
+// With a device key count (kv_len_device), splits at or past it are empty: their blocks only
+// write m = -inf and l = 0 and leave acc unwritten; the combine kernel then never reads the acc
+// of a zero-weight split.
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -28,7 +32,38 @@ struct AttentionParams {
   float* part_l = nullptr;
   int nsplit = 0;
   int64_t split_len = 0;  // keys per split (a multiple of the decode kernel's key tile)
+  // When set, the keys in use (read when the kernels run; Tk is then only the plan's bound) and
+  // q_offset = that count - Tq (see AttentionArgs::Tk_device).
+  const int32_t* kv_len_device = nullptr;
 };
+
+// Keys the last query sees (kv_len) and the first query's position (q_offset) for this launch.
+struct KvExtent {
+  int64_t kv_len, q_offset;
+};
+
+#ifdef __CUDACC__
+__device__ __forceinline__ KvExtent kv_extent(const AttentionParams& p) {
+  if (p.kv_len_device == nullptr) return {p.q_offset + p.Tq, p.q_offset};
+  // Clamped into [Tq, Tk]: an out-of-range count must not read past the cache or leave a query
+  // with no visible key.
+  const int64_t n = min(max(int64_t(__ldg(p.kv_len_device)), p.Tq), p.Tk);
+  return {n, n - p.Tq};
+}
+
+// A decode block whose split lies at or past the device key count: m = -inf, l = 0 for its rows
+// (query rows r = t * group + head in group of KV head kvh, r in [row0, row0 + rows)); acc is
+// left unwritten (see above). Needs blockDim.x >= rows.
+__device__ __forceinline__ void write_empty_partial(const AttentionParams& p, int split, int kvh,
+                                                    int64_t row0, int rows) {
+  const int64_t rr = row0 + threadIdx.x;
+  if (int(threadIdx.x) >= rows || rr >= int64_t(p.group) * p.Tq) return;
+  const int64_t prow =
+      int64_t(split) * p.Tq * p.Hq + (rr / p.group) * p.Hq + int64_t(kvh) * p.group + rr % p.group;
+  p.part_m[prow] = -INFINITY;
+  p.part_l[prow] = 0.f;
+}
+#endif
 
 constexpr int kAttentionKeyTile = 64;      // keys per tile in the tensor-core kernels
 constexpr int kAttentionBulkKeyTile = 32;  // keys per tile of the bulk-copy decode kernel
