@@ -43,8 +43,12 @@ TEST(LineageModel, EveryParameterGradientMatchesDirectionalFiniteDifferences) {
       ++checked;
       // fp32 losses carry ~1e-7 relative noise: step far enough to move the loss by ~2e-3, but
       // at most 0.05 along the unit direction (beyond it the short conv + SiLU + L2 norm path's
-      // curvature shows through the Richardson extrapolation)
-      const double eps = std::clamp(2e-3 * loss / gnorm, 1e-3, 0.05);
+      // curvature shows through the Richardson extrapolation). The gate's A_log / dt_bias can
+      // carry gradients of ~1e-5, where 0.05 moves the loss by no more than fp32 noise; the loss
+      // is smooth enough along them for steps up to 0.2.
+      const bool gate = p->name.find("A_log") != std::string::npos ||
+                        p->name.find("dt_bias") != std::string::npos;
+      const double eps = std::clamp(2e-3 * loss / gnorm, 1e-3, gate ? 0.2 : 0.05);
       const std::vector<float> keep(p->value.f32(), p->value.f32() + p->value.numel());
       auto loss_at = [&](double s) {
         for (int64_t i = 0; i < p->value.numel(); ++i)
@@ -59,6 +63,34 @@ TEST(LineageModel, EveryParameterGradientMatchesDirectionalFiniteDifferences) {
     }
     EXPECT_GE(checked, model.params().size() - 1) << pattern;
   }
+}
+
+// KDA's per-channel decay starts shared within each head (one Mamba dt draw per head, as Gated
+// DeltaNet's), in fla's range: a mix of fast and slow channels inside one head kept the lineage
+// KDA from learning MQAR (docs/RECALL.md).
+TEST(LineageModel, KdaDecayStartsSharedWithinEachHead) {
+  const int64_t H = 2, dh = 8;
+  LineageModel model({32, 16, H, dh, 24, "KG"}, 7);
+  int kda_seen = 0, gdn_seen = 0;
+  for (train::Param* p : model.params()) {
+    if (p->name.find("dt_bias") == std::string::npos) continue;
+    const bool kda = p->name.rfind("layers.0.", 0) == 0;
+    const int64_t per_head = kda ? dh : 1;
+    ASSERT_EQ(p->value.numel(), H * per_head) << p->name;
+    std::set<float> heads;
+    for (int64_t h = 0; h < H; ++h) {
+      const float b = p->value.f32()[h * per_head];
+      const double dt = std::log1p(std::exp(double(b)));  // softplus
+      EXPECT_GE(dt, 0.999e-3) << p->name;
+      EXPECT_LE(dt, 1.001e-1) << p->name;
+      for (int64_t c = 0; c < per_head; ++c) EXPECT_EQ(p->value.f32()[h * per_head + c], b);
+      heads.insert(b);
+    }
+    EXPECT_EQ(heads.size(), size_t(H)) << p->name << ": heads draw their own dt";
+    (kda ? kda_seen : gdn_seen)++;
+  }
+  EXPECT_EQ(kda_seen, 1);
+  EXPECT_EQ(gdn_seen, 1);
 }
 
 TEST(LineageModel, AdamWFitsAFixedBatch) {
