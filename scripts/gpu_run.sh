@@ -65,6 +65,30 @@ if [ "$mode" != "--bench-only" ] && [ -x ./build-gpu/bin/kda_gpu_model ]; then
   echo "model path: exit $model_status ($(grep -c "^CHECK.*PASS" "$log_dir/model.log") checks pass)"
 fi
 
+# The kda binary itself on the GPU (kda verify / kda run --device cuda) when PCRE2's development
+# files were carried (gpu_carry/pcre2: pcre2.h, libpcre2-8.so, a relocatable .pc; the image has
+# no libpcre2-dev): a Debian copy of the library, found through PKG_CONFIG_PATH.
+if [ "$mode" = "--model" ] && [ -d gpu_carry/pcre2 ]; then
+  echo "== kda binary with CUDA (build-gpu-app)"
+  export PKG_CONFIG_PATH="$PWD/gpu_carry/pcre2/lib/pkgconfig" LD_LIBRARY_PATH="$PWD/gpu_carry/pcre2/lib"
+  if cmake -S . -B build-gpu-app -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
+      -DKDA_TESTS=OFF >"$log_dir/configure_app.log" 2>&1 &&
+    cmake --build build-gpu-app --target kda -j "$(nproc)" >"$log_dir/build_app.log" 2>&1; then
+    ./build-gpu-app/bin/kda verify --device cuda gpu_carry/shared/models 2>&1 | tail -12
+    for dtype in bf16 fp32; do
+      ./build-gpu-app/bin/kda run -m models/kimi-mini -p "The jury said that the city" -n 48 \
+        --temp 0.8 --top-k 40 --seed 1 --device cuda --dtype "$dtype" 2>&1
+      echo
+    done
+    ./build-gpu-app/bin/kda run -m models/kimi-mini -p "The jury said that the city" -n 48 \
+      --temp 0.8 --top-k 40 --seed 1 2>&1
+    echo
+  else
+    grep -E "error" -A3 "$log_dir/configure_app.log" "$log_dir/build_app.log" | head -30
+    model_status=1
+  fi
+fi
+
 args=(--out "$log_dir/ours.tsv")
 case "$mode" in
   --check-only) args+=(--check) ;;

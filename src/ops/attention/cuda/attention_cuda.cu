@@ -111,6 +111,8 @@ void validate_sizes(const AttentionArgs& a) {
                          ") must be >= q_offset + Tq (" + std::to_string(a.q_offset + a.Tq) + ")");
     });
   } else {  // q_offset is ignored (n - Tq); Tk bounds n
+    check(a.lse == nullptr,
+          [&] { return std::string("attention_forward: lse is not supported with Tk_device"); });
     check(a.Tq <= kDecodeMaxTq, [&] {
       return std::string("attention_forward: Tk_device supports decode only (Tq <= " +
                          std::to_string(kDecodeMaxTq) + ", got " + std::to_string(a.Tq) + ")");
@@ -145,7 +147,8 @@ struct Plan {
 // 64-key tiles. At most kAttentionMaxSplits splits.
 Plan make_plan(const AttentionArgs& a) {
   Plan plan;
-  plan.decode = a.Tq <= kDecodeMaxTq;
+  // The split decode path does not produce lse: a caller that wants it gets the direct path.
+  plan.decode = a.Tq <= kDecodeMaxTq && a.lse == nullptr;
   if (!plan.decode) return plan;
   // Keys any query sees; with a device count, its bound Tk (the plan must not depend on n).
   const int64_t kv_len = a.Tk_device != nullptr ? a.Tk : a.q_offset + a.Tq;
@@ -195,6 +198,7 @@ void attention_forward(const AttentionArgs& args, void* workspace, size_t worksp
   p.k = args.k;
   p.v = args.v;
   p.o = args.o;
+  p.lse = args.lse;
   p.q_stride = args.q_row_stride ? args.q_row_stride : args.Hq * args.Dk;
   p.k_stride = args.k_row_stride ? args.k_row_stride : args.Hkv * args.Dk;
   p.v_stride = args.v_row_stride ? args.v_row_stride : args.Hkv * args.Dv;

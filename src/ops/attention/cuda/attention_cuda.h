@@ -38,6 +38,10 @@ struct AttentionArgs {
   int64_t q_offset = 0;
   float scale = 0.f;  // 0: Dk^-0.5
   float* o = nullptr;
+  // Optional [Tq, Hq] fp32: the natural log of each row's sum of exp(scale q . k) over its
+  // visible keys (the CPU's lse; what attention_backward needs). Setting it takes the direct
+  // (unsplit) path even for small Tq; with Tk_device it throws.
+  float* lse = nullptr;
   // Graph replay while the cache grows: when set, the kernels read n = *Tk_device (the keys in
   // use, Tq <= n <= Tk; clamped into that range) when they run, and the queries are the last Tq
   // positions of those n keys (q_offset = n - Tq; args.q_offset is ignored). Keys >= n are
@@ -54,5 +58,21 @@ size_t attention_workspace_bytes(const AttentionArgs& args);
 // Throws kda::Error on bad sizes (naming the field) before queuing anything.
 void attention_forward(const AttentionArgs& args, void* workspace, size_t workspace_bytes,
                        cudaStream_t stream);
+
+// ---- Backward (attention_backward.cu) ----
+// Gradients of sum(o * d_o) for the forward described by `args` (Tk_device unset), recomputing
+// the probabilities from q, k and lse (FlashAttention-2): args.o must still hold the forward's
+// output (fp32, read for D_i = rowsum(d_o * o)); lse [Tq, Hq] the forward's (args.lse). d_o is
+// args.dtype [Tq, Hq, Dv] dense; dq [Tq, Hq, Dk], dk [Tk, Hkv, Dk], dv [Tk, Hkv, Dv] are
+// args.dtype, dense, every element written (keys no query sees get 0). dk and dv sum over the
+// query heads of their KV head in a fixed order: the result is deterministic (no atomics).
+// Paths: bf16 with Dk, Dv <= 128 (multiples of 8, 16-byte aligned arrays and strides) runs two
+// tensor-core kernels (dk/dv over key tiles, dq over query tiles); everything else a plain
+// fp32-arithmetic kernel per key row and per query row (exact to fp32 rounding for f32).
+// Workspace: 2 Hq roundup(Tq, 64) floats (lse in log2 units and D_i). args.lse is not read.
+size_t attention_backward_workspace_bytes(const AttentionArgs& args);
+void attention_backward(const AttentionArgs& args, const float* lse, const void* d_o, void* dq,
+                        void* dk, void* dv, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream);
 
 }  // namespace kda::ops::cuda

@@ -88,6 +88,7 @@ __global__ void __launch_bounds__(32 * kGenericWarps) attention_generic_kernel(A
       const int d = lane + 32 * i;
       if (d < Dv) orow[d] = acc[i] * inv;
     }
+    if (p.lse != nullptr && lane == 0) p.lse[row] = m + logf(l);
   } else {
     const int64_t rows = p.Tq * p.Hq;
     const int64_t prow = int64_t(blockIdx.y) * rows + row;

@@ -22,6 +22,7 @@ struct AttentionParams {
   const void* k = nullptr;
   const void* v = nullptr;
   float* o = nullptr;
+  float* lse = nullptr;  // [Tq, Hq] natural log (direct paths only: nsplit == 0)
   int64_t q_stride = 0, k_stride = 0, v_stride = 0;  // elements between tokens
   int64_t Tq = 0, Tk = 0, q_offset = 0;
   int Hq = 1, Hkv = 1, group = 1, Dk = 0, Dv = 0;

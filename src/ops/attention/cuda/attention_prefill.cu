@@ -31,6 +31,7 @@ constexpr int kBM = 16 * kWarps;        // queries per block
 constexpr int kBN = kAttentionKeyTile;  // keys per tile
 constexpr int kPad = 8;                 // bf16 elements of row padding (ldmatrix bank spread)
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 
 // Copies `rows` rows of `chunks` 16-byte chunks into smem (row stride ld); rows >= rows_valid
 // and chunks >= chunks_valid are zero-filled. src points at row 0 (stride src_stride elements).
@@ -229,6 +230,14 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(AttentionPa
     l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
   }
   const float inv[2] = {1.f / l_run[0], 1.f / l_run[1]};
+  // lse in natural units: l_run is relative to m_run (log2 units), finite for every row.
+  if (p.lse != nullptr && t4 == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t qi = q0 + warp * 16 + g + r * 8;
+      if (qi < p.Tq) p.lse[qi * p.Hq + h] = (m_run[r] + log2f(l_run[r])) * kLn2;
+    }
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t qi = q0 + warp * 16 + g + r * 8;

@@ -1,0 +1,356 @@
+// Suite "attention_bwd": the CUDA attention forward's lse and the backward
+// (ops/attention/cuda/attention_cuda.h: attention_backward) against a float64 host reference
+// computed on the inputs the device sees (bf16-rounded for bf16). Each case runs the forward
+// with lse (o, lse poisoned), then the backward (dq, dk, dv and the workspace poisoned) twice:
+// lse held to 1e-5 (f32) / 1e-3 (bf16), each gradient to 1e-5 / 2e-2 (relative RMS), the second
+// run bit-identical to the first.
+// Cases: T = 1, 65, 300, 1000 x (H = 4, GQA 8 / 2) x D = 64, 128; chunked (q_offset) and a cache
+// longer than the queries see (keys no query sees: gradients 0); strided q; Dk != Dv; dims not a
+// multiple of 8 (bf16 falls back to the plain kernels). Bad arguments throw.
+// Timings (--bench): bf16 forward (with lse) and backward at T = 2048, 8192 for GPT-2 (H = 12,
+// D = 64) and H = 32, D = 128; backward TFLOP/s counted as 2.5x the forward's FLOPs (FA2's
+// convention; the deterministic split recomputes S and dP in the dq kernel: 3.5x done).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "bench/gpu/model/gpu_suite.h"
+#include "core/parallel.h"
+#include "ops/attention/cuda/attention_cuda.h"
+
+namespace kda::gpu_check {
+namespace {
+
+namespace cu = ops::cuda;
+
+uint64_t fresh_seed() {
+  static uint64_t next = 0xb4c7ull;
+  return next++;
+}
+
+struct Case {
+  std::string name;
+  int64_t Tq = 1, Tk = 1, Hq = 1, Hkv = 1, Dk = 64, Dv = 64, q_offset = 0;
+  int64_t q_pad = 0;  // q_row_stride = Hq * Dk + q_pad (0: dense)
+};
+
+int64_t q_stride_of(const Case& c) {
+  return c.Hq * c.Dk + c.q_pad;
+}
+
+struct Reference {
+  std::vector<double> o, lse, dq, dk, dv;
+};
+
+// Float64 forward and backward (gradients of sum(o * d_o)); q with row stride q_stride_of(c),
+// the rest dense.
+Reference reference(const Case& c, const std::vector<double>& q, const std::vector<double>& k,
+                    const std::vector<double>& v, const std::vector<double>& d_o, double scale) {
+  const int64_t qs = q_stride_of(c), group = c.Hq / c.Hkv;
+  Reference r;
+  r.o.assign(size_t(c.Tq * c.Hq * c.Dv), 0.0);
+  r.lse.assign(size_t(c.Tq * c.Hq), 0.0);
+  r.dq.assign(size_t(c.Tq * c.Hq * c.Dk), 0.0);
+  r.dk.assign(size_t(c.Tk * c.Hkv * c.Dk), 0.0);
+  r.dv.assign(size_t(c.Tk * c.Hkv * c.Dv), 0.0);
+  std::vector<double> delta(size_t(c.Tq * c.Hq));
+  auto qrow = [&](int64_t t, int64_t h) { return q.data() + t * qs + h * c.Dk; };
+  auto krow = [&](int64_t j, int64_t kvh) { return k.data() + (j * c.Hkv + kvh) * c.Dk; };
+  auto vrow = [&](int64_t j, int64_t kvh) { return v.data() + (j * c.Hkv + kvh) * c.Dv; };
+  auto dorow = [&](int64_t t, int64_t h) { return d_o.data() + (t * c.Hq + h) * c.Dv; };
+  auto dot = [](const double* a, const double* b, int64_t n) {
+    double s = 0;
+    for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+    return s;
+  };
+  // Rows: o, lse, delta, dq.
+  parallel_for(c.Tq * c.Hq, [&](int64_t row) {
+    const int64_t t = row / c.Hq, h = row % c.Hq, kvh = h / group;
+    const int64_t n = c.q_offset + t + 1;
+    std::vector<double> p(static_cast<size_t>(n));
+    double mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j)
+      mx = std::max(mx, p[j] = scale * dot(qrow(t, h), krow(j, kvh), c.Dk));
+    double sum = 0;
+    for (int64_t j = 0; j < n; ++j) sum += std::exp(p[j] - mx);
+    const double lse = mx + std::log(sum);
+    r.lse[row] = lse;
+    double* o = r.o.data() + row * c.Dv;
+    for (int64_t j = 0; j < n; ++j) {
+      p[j] = std::exp(p[j] - lse);
+      for (int64_t d = 0; d < c.Dv; ++d) o[d] += p[j] * vrow(j, kvh)[d];
+    }
+    const double D = dot(dorow(t, h), o, c.Dv);
+    delta[row] = D;
+    double* dq = r.dq.data() + row * c.Dk;
+    for (int64_t j = 0; j < n; ++j) {
+      const double ds = p[j] * (dot(dorow(t, h), vrow(j, kvh), c.Dv) - D);
+      for (int64_t d = 0; d < c.Dk; ++d) dq[d] += scale * ds * krow(j, kvh)[d];
+    }
+  });
+  // Key rows: dk, dv over the query heads of the group and the queries that see the key.
+  parallel_for(c.Tk * c.Hkv, [&](int64_t krow_index) {
+    const int64_t j = krow_index / c.Hkv, kvh = krow_index % c.Hkv;
+    double* dk = r.dk.data() + krow_index * c.Dk;
+    double* dv = r.dv.data() + krow_index * c.Dv;
+    for (int64_t hh = 0; hh < group; ++hh) {
+      const int64_t h = kvh * group + hh;
+      for (int64_t t = std::max<int64_t>(0, j - c.q_offset); t < c.Tq; ++t) {
+        const int64_t row = t * c.Hq + h;
+        const double p = std::exp(scale * dot(qrow(t, h), krow(j, kvh), c.Dk) - r.lse[row]);
+        const double ds = p * (dot(dorow(t, h), vrow(j, kvh), c.Dv) - delta[row]);
+        for (int64_t d = 0; d < c.Dv; ++d) dv[d] += p * dorow(t, h)[d];
+        for (int64_t d = 0; d < c.Dk; ++d) dk[d] += scale * ds * qrow(t, h)[d];
+      }
+    }
+  });
+  return r;
+}
+
+struct Problem {
+  DeviceArray q, k, v, d_o;
+  DeviceBuffer o, lse;
+  cu::AttentionArgs args;
+};
+
+Problem make_problem(const Case& c, ElementType type) {
+  Problem pr;
+  pr.q = to_device(random_values(size_t(c.Tq * q_stride_of(c)), fresh_seed(), 2.f), type);
+  pr.k = to_device(random_values(size_t(c.Tk * c.Hkv * c.Dk), fresh_seed()), type);
+  pr.v = to_device(random_values(size_t(c.Tk * c.Hkv * c.Dv), fresh_seed()), type);
+  pr.d_o = to_device(random_values(size_t(c.Tq * c.Hq * c.Dv), fresh_seed()), type);
+  pr.o.resize(size_t(c.Tq * c.Hq * c.Dv) * sizeof(float));
+  pr.lse.resize(size_t(c.Tq * c.Hq) * sizeof(float));
+  cu::AttentionArgs& a = pr.args;
+  a.dtype = type;
+  a.Tq = c.Tq;
+  a.Tk = c.Tk;
+  a.Hq = c.Hq;
+  a.Hkv = c.Hkv;
+  a.Dk = c.Dk;
+  a.Dv = c.Dv;
+  a.q = pr.q.data();
+  a.k = pr.k.data();
+  a.v = pr.v.data();
+  a.q_row_stride = c.q_pad ? q_stride_of(c) : 0;
+  a.q_offset = c.q_offset;
+  a.o = pr.o.as<float>();
+  a.lse = pr.lse.as<float>();
+  return pr;
+}
+
+struct Grads {
+  DeviceBuffer dq, dk, dv;
+};
+
+Grads run_backward(const Case& c, Problem& pr, ElementType type) {
+  const size_t e = cu::element_bytes(type);
+  Grads g;
+  g.dq.resize(size_t(c.Tq * c.Hq * c.Dk) * e);
+  g.dk.resize(size_t(c.Tk * c.Hkv * c.Dk) * e);
+  g.dv.resize(size_t(c.Tk * c.Hkv * c.Dv) * e);
+  poison(g.dq.data(), g.dq.bytes());
+  poison(g.dk.data(), g.dk.bytes());
+  poison(g.dv.data(), g.dv.bytes());
+  DeviceBuffer workspace(cu::attention_backward_workspace_bytes(pr.args));
+  poison(workspace.data(), workspace.bytes());
+  cu::attention_backward(pr.args, pr.lse.as<float>(), pr.d_o.data(), g.dq.data(), g.dk.data(),
+                         g.dv.data(), workspace.data(), workspace.bytes(), nullptr);
+  cu::check_cuda(cudaDeviceSynchronize(), "attention_bwd check (backward)");
+  return g;
+}
+
+bool same_bytes(const DeviceBuffer& a, const DeviceBuffer& b) {
+  std::vector<unsigned char> ha(a.bytes()), hb(b.bytes());
+  cu::check_cuda(cudaMemcpy(ha.data(), a.data(), a.bytes(), cudaMemcpyDeviceToHost), "download");
+  cu::check_cuda(cudaMemcpy(hb.data(), b.data(), b.bytes(), cudaMemcpyDeviceToHost), "download");
+  return ha.size() == hb.size() && std::memcmp(ha.data(), hb.data(), ha.size()) == 0;
+}
+
+void run_case(const Case& c, ElementType type, Tally& tally) {
+  const bool f32 = type == ElementType::f32;
+  const std::string tag = " " + c.name + (f32 ? " f32" : " bf16");
+  Problem pr = make_problem(c, type);
+  poison(pr.o.data(), pr.o.bytes());
+  poison(pr.lse.data(), pr.lse.bytes());
+  DeviceBuffer fwd_workspace(cu::attention_workspace_bytes(pr.args));
+  cu::attention_forward(pr.args, fwd_workspace.data(), fwd_workspace.bytes(), nullptr);
+  cu::check_cuda(cudaDeviceSynchronize(), "attention_bwd check (forward)");
+
+  const Reference ref = reference(c, pr.q.rounded, pr.k.rounded, pr.v.rounded, pr.d_o.rounded,
+                                  1.0 / std::sqrt(double(c.Dk)));
+  const std::vector<double> lse = from_device(pr.lse.data(), size_t(c.Tq * c.Hq), ElementType::f32);
+  const std::vector<double> o =
+      from_device(pr.o.data(), size_t(c.Tq * c.Hq * c.Dv), ElementType::f32);
+  report(tally, "attention_bwd lse" + tag, rel_error(lse, ref.lse), f32 ? 1e-5 : 1e-3);
+  report(tally, "attention_bwd o" + tag, rel_error(o, ref.o), f32 ? 1e-5 : 1e-2);
+
+  const Grads g = run_backward(c, pr, type);
+  const double tol = f32 ? 1e-5 : 2e-2;
+  report(tally, "attention_bwd dq" + tag,
+         rel_error(from_device(g.dq.data(), ref.dq.size(), type), ref.dq), tol);
+  report(tally, "attention_bwd dk" + tag,
+         rel_error(from_device(g.dk.data(), ref.dk.size(), type), ref.dk), tol);
+  report(tally, "attention_bwd dv" + tag,
+         rel_error(from_device(g.dv.data(), ref.dv.size(), type), ref.dv), tol);
+  const Grads again = run_backward(c, pr, type);
+  const bool identical =
+      same_bytes(g.dq, again.dq) && same_bytes(g.dk, again.dk) && same_bytes(g.dv, again.dv);
+  report(tally, "attention_bwd deterministic" + tag, identical ? 0.0 : 1.0, 0.0);
+}
+
+std::vector<Case> check_cases() {
+  std::vector<Case> cases;
+  for (int64_t T : {1, 65, 300, 1000})
+    for (int64_t D : {64, 128})
+      for (auto [Hq, Hkv] : {std::pair<int64_t, int64_t>{4, 4}, {8, 2}})
+        cases.push_back({.name = "T=" + std::to_string(T) + " Hq=" + std::to_string(Hq) +
+                                 " Hkv=" + std::to_string(Hkv) + " D=" + std::to_string(D),
+                         .Tq = T,
+                         .Tk = T,
+                         .Hq = Hq,
+                         .Hkv = Hkv,
+                         .Dk = D,
+                         .Dv = D});
+  cases.push_back({.name = "chunked Tq=100 q_offset=50 Hq=4 Hkv=2 D=64",
+                   .Tq = 100,
+                   .Tk = 150,
+                   .Hq = 4,
+                   .Hkv = 2,
+                   .q_offset = 50});
+  cases.push_back({.name = "longer cache Tq=70 q_offset=30 Tk=230 H=2 D=128 (unseen keys)",
+                   .Tq = 70,
+                   .Tk = 230,
+                   .Hq = 2,
+                   .Hkv = 2,
+                   .Dk = 128,
+                   .Dv = 128,
+                   .q_offset = 30});
+  cases.push_back({.name = "strided q (+8) T=130 H=3 D=64",
+                   .Tq = 130,
+                   .Tk = 130,
+                   .Hq = 3,
+                   .Hkv = 3,
+                   .q_pad = 8});
+  cases.push_back({.name = "T=200 H=2 Dk=128 Dv=64",
+                   .Tq = 200,
+                   .Tk = 200,
+                   .Hq = 2,
+                   .Hkv = 1,
+                   .Dk = 128,
+                   .Dv = 64});
+  cases.push_back({.name = "T=100 H=2 Dk=32 Dv=48",
+                   .Tq = 100,
+                   .Tk = 100,
+                   .Hq = 2,
+                   .Hkv = 2,
+                   .Dk = 32,
+                   .Dv = 48});
+  cases.push_back({.name = "T=90 H=2 20/12 (dims not x8)",
+                   .Tq = 90,
+                   .Tk = 90,
+                   .Hq = 2,
+                   .Hkv = 1,
+                   .Dk = 20,
+                   .Dv = 12});
+  cases.push_back({.name = "T=150 H=2 192/128 (plain kernels)",
+                   .Tq = 150,
+                   .Tk = 150,
+                   .Hq = 2,
+                   .Hkv = 2,
+                   .Dk = 192,
+                   .Dv = 128});
+  return cases;
+}
+
+template <class Fn>
+bool throws(Fn&& fn) {
+  try {
+    fn();
+  } catch (const kda::Error&) {
+    return true;
+  }
+  return false;
+}
+
+void check_bad_arguments(Tally& tally) {
+  cu::AttentionArgs a;
+  a.Tq = 4;
+  a.Tk = 8;
+  a.Dk = a.Dv = 64;
+  a.Tk_device = reinterpret_cast<const int32_t*>(uintptr_t(16));  // never dereferenced
+  report(tally, "attention_bwd rejects Tk_device",
+         throws([&] { cu::attention_backward_workspace_bytes(a); }) ? 0.0 : 1.0, 0.0);
+  a.lse = reinterpret_cast<float*>(uintptr_t(16));
+  report(tally, "attention forward rejects lse with Tk_device",
+         throws([&] { cu::attention_workspace_bytes(a); }) ? 0.0 : 1.0, 0.0);
+  a.Tk_device = nullptr;
+  a.lse = nullptr;
+  a.Tk = 3;  // < q_offset + Tq
+  report(tally, "attention_bwd rejects Tk < q_offset + Tq",
+         throws([&] { cu::attention_backward_workspace_bytes(a); }) ? 0.0 : 1.0, 0.0);
+  // A workspace one byte short throws before anything runs.
+  Case c{.name = "small", .Tq = 16, .Tk = 16, .Hq = 2, .Hkv = 2};
+  Problem pr = make_problem(c, ElementType::bf16);
+  const size_t need = cu::attention_backward_workspace_bytes(pr.args);
+  DeviceBuffer workspace(need), grads(size_t(16 * 2 * 64) * 2 * 3);
+  char* gp = static_cast<char*>(grads.data());
+  report(tally, "attention_bwd rejects a short workspace",
+         throws([&] {
+           cu::attention_backward(pr.args, pr.lse.as<float>(), pr.d_o.data(), gp, gp + 4096,
+                                  gp + 8192, workspace.data(), need - 1, nullptr);
+         })
+             ? 0.0
+             : 1.0,
+         0.0);
+}
+
+void bench(int64_t T, int64_t H, int64_t D) {
+  Case c{.name = "bench", .Tq = T, .Tk = T, .Hq = H, .Hkv = H, .Dk = D, .Dv = D};
+  Problem pr = make_problem(c, ElementType::bf16);
+  DeviceBuffer fwd_workspace(cu::attention_workspace_bytes(pr.args));
+  Grads g;
+  g.dq.resize(size_t(T * H * D) * 2);
+  g.dk.resize(size_t(T * H * D) * 2);
+  g.dv.resize(size_t(T * H * D) * 2);
+  DeviceBuffer workspace(cu::attention_backward_workspace_bytes(pr.args));
+  const double fwd_ms = time_ms(nullptr, [&] {
+    cu::attention_forward(pr.args, fwd_workspace.data(), fwd_workspace.bytes(), nullptr);
+  });
+  const double bwd_ms = time_ms(nullptr, [&] {
+    cu::attention_backward(pr.args, pr.lse.as<float>(), pr.d_o.data(), g.dq.data(), g.dk.data(),
+                           g.dv.data(), workspace.data(), workspace.bytes(), nullptr);
+  });
+  const double fwd_flops = double(T) * double(T + 1) * double(H) * double(2 * D);
+  std::printf(
+      "BENCH attention_bwd bf16 T=%lld H=%lld D=%lld: fwd %.3f ms (%.1f TFLOP/s), bwd %.3f ms "
+      "(%.1f TFLOP/s at 2.5x fwd FLOPs; %.2fx fwd time)\n",
+      (long long)T, (long long)H, (long long)D, fwd_ms, fwd_flops / (fwd_ms * 1e-3) / 1e12, bwd_ms,
+      2.5 * fwd_flops / (bwd_ms * 1e-3) / 1e12, bwd_ms / fwd_ms);
+  std::fflush(stdout);
+}
+
+void run_suite(const SuiteOptions& options, Tally& tally) {
+  if (options.check) {
+    for (const Case& c : check_cases()) {
+      run_case(c, ElementType::f32, tally);
+      run_case(c, ElementType::bf16, tally);
+    }
+    check_bad_arguments(tally);
+  }
+  if (options.bench) {
+    for (int64_t T : {2048, 8192}) {
+      bench(T, 12, 64);
+      bench(T, 32, 128);
+    }
+  }
+}
+
+const bool registered = register_suite("attention_bwd", run_suite);
+
+}  // namespace
+}  // namespace kda::gpu_check

@@ -1,0 +1,47 @@
+// Internals of the CUDA attention backward (attention_backward.cu dispatches): the parameters
+// every backward kernel reads and their launchers.
+//
+// Workspace: lse2 [Hq][Tq_pad] (the forward's lse in log2 units) then delta [Hq][Tq_pad]
+// (D_i = rowsum(d_o * o)), Tq_pad = Tq rounded up to kAttentionBwdRowPad; the padding rows hold
+// lse2 = +inf and delta = 0, so a padded query row has probability 0 against every key and the
+// tensor-core kernels can copy whole 16-byte chunks of them.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace kda::ops::cuda_detail {
+
+constexpr int64_t kAttentionBwdRowPad = 64;
+
+struct AttentionBwdParams {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const float* o = nullptr;                          // [Tq, Hq, Dv] fp32 (the forward's output)
+  const float* lse = nullptr;                        // [Tq, Hq] natural log (the forward's)
+  const void* d_o = nullptr;                         // [Tq, Hq, Dv] dense
+  void* dq = nullptr;                                // [Tq, Hq, Dk] dense
+  void* dk = nullptr;                                // [Tk, Hkv, Dk] dense
+  void* dv = nullptr;                                // [Tk, Hkv, Dv] dense
+  float* lse2 = nullptr;                             // workspace [Hq][Tq_pad]
+  float* delta = nullptr;                            // workspace [Hq][Tq_pad]
+  int64_t q_stride = 0, k_stride = 0, v_stride = 0;  // elements between tokens
+  int64_t Tq = 0, Tk = 0, q_offset = 0, Tq_pad = 0;
+  int Hq = 1, Hkv = 1, group = 1, Dk = 0, Dv = 0;
+  float scale = 0.f;  // natural units (scores are scale * q . k)
+};
+
+// lse2 and delta (including the padding rows) from lse, o and d_o.
+void launch_attention_bwd_preprocess(const AttentionBwdParams& p, bool elem_bf16,
+                                     cudaStream_t stream);
+
+// Plain kernels (one warp per key row for dk / dv, one per query row for dq; fp32 arithmetic,
+// expf): any sizes the forward takes.
+void launch_attention_bwd_generic(const AttentionBwdParams& p, bool elem_bf16, cudaStream_t stream);
+
+// Tensor-core kernels for bf16; returns false (launching nothing) when this shape or layout has
+// no instantiation (the caller falls back to the plain kernels).
+bool launch_attention_bwd_mma(const AttentionBwdParams& p, cudaStream_t stream);
+
+}  // namespace kda::ops::cuda_detail

@@ -1,0 +1,464 @@
+// Tensor-core attention backward for bf16 (FlashAttention-2's recompute, split so that no two
+// blocks write the same gradient: deterministic, no atomics).
+//
+// dk / dv kernel: a block of 4 warps owns 64 keys of one KV head (each warp 16 keys, its dk and
+// dv rows in registers) and walks the query heads of the group, then the query tiles (BQ
+// queries) that see any of its keys, Q / dO / lse2 / delta tiles double-buffered via cp.async.
+// Per tile, all transposed so the keys are the M dimension (mma.sync m16n8k16, fp32 accumulate):
+//   S^T = K Q^T;  P^T = exp2(S^T scale log2(e) - lse2) (masked: key > query position);
+//   dP^T = V dO^T;  dV += P^T dO;  dS^T = P^T (dP^T - delta);  dK += dS^T Q.
+// P^T and dS^T go from the accumulators straight into A fragments (bf16) as in the forward.
+// Key tiles run in order: tile 0 (every query sees it) is the heaviest and starts first.
+//
+// dq kernel: a block of 4 warps owns 64 queries of one head (each warp 16) and walks the key
+// tiles (64 keys, K / V double-buffered) its queries see: S = Q K^T, P = exp2(S scale log2(e)
+// - lse2), dP = dO V^T, dS = P (dP - delta), dQ += dS K. Query tiles run heaviest first.
+//
+// Head dims are zero-padded inside to the instantiation's DKP / DVP (zero Q / K columns add
+// nothing to S, zero V / dO columns nothing to dP; pad columns are never written); padded query
+// rows have lse2 = +inf (P = 0), padded key rows are never written.
+// Requirements (else the plain kernels run): Dk, Dv <= 128 and multiples of 8; q / k / v row
+// strides multiples of 8; every array 16-byte aligned.
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "ops/attention/cuda/attention_backward_kernels.cuh"
+#include "ops/attention/cuda/attention_kernels.cuh"
+#include "ops/delta_rule/cuda/device_common.cuh"
+
+namespace kda::ops::cuda_detail {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kKeys = 16 * kWarps;  // keys per dk / dv block
+constexpr int kRows = 16 * kWarps;  // queries per dq block
+constexpr int kBN = 64;             // keys per tile of the dq kernel
+constexpr int kPad = 8;             // bf16 elements of row padding (ldmatrix bank spread)
+constexpr float kLog2e = 1.4426950408889634f;
+static_assert(kAttentionBwdRowPad % kRows == 0, "workspace rows must cover whole dq blocks");
+
+// Copies `rows` rows of `chunks` 16-byte chunks into smem (row stride ld); rows >= rows_valid
+// and chunks >= chunks_valid are zero-filled. src points at row 0 (stride src_stride elements).
+__device__ __forceinline__ void load_tile(bf16* dst, int ld, const bf16* src, int64_t src_stride,
+                                          int rows, int rows_valid, int chunks, int chunks_valid,
+                                          int tid) {
+  const int total = rows * chunks;
+  for (int idx = tid; idx < total; idx += kThreads) {
+    const int r = idx / chunks, c = idx - r * chunks;
+    bf16* d = dst + r * ld + c * 8;
+    if (r < rows_valid && c < chunks_valid)
+      cp_async16(d, src + int64_t(r) * src_stride + c * 8);
+    else
+      *reinterpret_cast<uint4*>(d) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// A fragment of keys (M) x [16kk, 16kk + 16) (K) from the accumulators of n-tiles 2kk, 2kk + 1
+// (C layout (g, 2t | 2t+1), (g+8, ...) matches A's (g, 2t), (g+8, 2t), (g, 2t+8), (g+8, 2t+8)).
+__device__ __forceinline__ void acc_to_a(uint32_t a[4], const float c0[4], const float c1[4]) {
+  a[0] = pack_bf16(c0[0], c0[1]);
+  a[1] = pack_bf16(c0[2], c0[3]);
+  a[2] = pack_bf16(c1[0], c1[1]);
+  a[3] = pack_bf16(c1[2], c1[3]);
+}
+
+// Writes a warp's 16 rows x DP columns of fp32 accumulators (times mul) as bf16 pairs to
+// dst[row * row_stride + c] for rows < rows_valid, columns c < cols (cols even).
+template <int DP>
+__device__ __forceinline__ void store_rows(bf16* dst, int64_t row_stride, int rows_valid, int cols,
+                                           const float (&acc)[DP / 8][4], float mul, int lane) {
+  const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = g + 8 * r;
+    if (row >= rows_valid) continue;
+    bf16* out = dst + int64_t(row) * row_stride;
+#pragma unroll
+    for (int n = 0; n < DP / 8; ++n) {
+      const int c = n * 8 + 2 * t4;
+      if (c < cols)
+        *reinterpret_cast<__nv_bfloat162*>(out + c) =
+            __floats2bfloat162_rn(acc[n][2 * r] * mul, acc[n][2 * r + 1] * mul);
+    }
+  }
+}
+
+template <int DKP, int DVP, int BQ>
+__global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(AttentionBwdParams p) {
+  constexpr int ldk = DKP + kPad, ldv = DVP + kPad;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* Ks = reinterpret_cast<bf16*>(smem_raw);              // [kKeys][ldk]
+  bf16* Vs = Ks + kKeys * ldk;                               // [kKeys][ldv]
+  bf16* Qs = Vs + kKeys * ldv;                               // [2][BQ][ldk]
+  bf16* dOs = Qs + 2 * BQ * ldk;                             // [2][BQ][ldv]
+  float* Ls = reinterpret_cast<float*>(dOs + 2 * BQ * ldv);  // [2][BQ] lse2
+  float* Ds = Ls + 2 * BQ;                                   // [2][BQ] delta
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int64_t key0 = int64_t(blockIdx.x) * kKeys;
+  const int kvh = blockIdx.y;
+  const int Dk = p.Dk, Dv = p.Dv, group = p.group;
+  const int keys_valid = int(min(int64_t(kKeys), p.Tk - key0));
+
+  // Query tiles that see any key of this block: queries t with q_offset + t >= key0.
+  const int64_t t_first = key0 > p.q_offset ? key0 - p.q_offset : 0;
+  const int qt_first = int(t_first / BQ);
+  const int qt_end = int((p.Tq + BQ - 1) / BQ);
+  const int nqt = qt_end > qt_first ? qt_end - qt_first : 0;
+  const int n_iter = group * nqt;
+
+  const bf16* qbase = static_cast<const bf16*>(p.q);
+  const bf16* dobase = static_cast<const bf16*>(p.d_o);
+  const int64_t do_stride = int64_t(p.Hq) * Dv;
+
+  auto load_q = [&](int it, int buf) {
+    const int h = kvh * group + it / nqt;
+    const int64_t t0 = int64_t(qt_first + it % nqt) * BQ;
+    const int rows_valid = int(min(int64_t(BQ), p.Tq - t0));
+    load_tile(Qs + buf * BQ * ldk, ldk, qbase + t0 * p.q_stride + int64_t(h) * Dk, p.q_stride, BQ,
+              rows_valid, DKP / 8, Dk / 8, tid);
+    load_tile(dOs + buf * BQ * ldv, ldv, dobase + t0 * do_stride + int64_t(h) * Dv, do_stride, BQ,
+              rows_valid, DVP / 8, Dv / 8, tid);
+    // lse2 / delta rows are padded to kAttentionBwdRowPad (a multiple of BQ): whole chunks.
+    const int64_t w0 = int64_t(h) * p.Tq_pad + t0;
+    for (int idx = tid; idx < 2 * (BQ / 4); idx += kThreads) {
+      const int which = idx / (BQ / 4), c = idx % (BQ / 4);
+      const float* src = (which == 0 ? p.lse2 : p.delta) + w0 + 4 * c;
+      cp_async16((which == 0 ? Ls : Ds) + buf * BQ + 4 * c, src);
+    }
+  };
+
+  float dk[DKP / 8][4], dv[DVP / 8][4];
+#pragma unroll
+  for (int n = 0; n < DKP / 8; ++n) dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = 0.f;
+#pragma unroll
+  for (int n = 0; n < DVP / 8; ++n) dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.f;
+
+  if (n_iter > 0) {
+    const bf16* kbase = static_cast<const bf16*>(p.k) + key0 * p.k_stride + int64_t(kvh) * Dk;
+    const bf16* vbase = static_cast<const bf16*>(p.v) + key0 * p.v_stride + int64_t(kvh) * Dv;
+    load_tile(Ks, ldk, kbase, p.k_stride, kKeys, keys_valid, DKP / 8, Dk / 8, tid);
+    load_tile(Vs, ldv, vbase, p.v_stride, kKeys, keys_valid, DVP / 8, Dv / 8, tid);
+    load_q(0, 0);
+    cp_async_commit();
+  }
+
+  const float scale_log2 = p.scale * kLog2e;
+  // Keys of this thread's accumulator rows g and g + 8.
+  const int64_t key_lo = key0 + warp * 16 + g;
+
+  for (int it = 0; it < n_iter; ++it) {
+    const int buf = it & 1;
+    if (it + 1 < n_iter) {
+      load_q(it + 1, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+
+    const bf16* Qb = Qs + buf * BQ * ldk;
+    const bf16* dOb = dOs + buf * BQ * ldv;
+    const float* Lb = Ls + buf * BQ;
+    const float* Db = Ds + buf * BQ;
+    const int64_t qpos0 = p.q_offset + int64_t(qt_first + it % nqt) * BQ;  // position of row 0
+
+    // S^T = K Q^T: this warp's 16 keys x BQ queries.
+    float s[BQ / 8][4];
+#pragma unroll
+    for (int n = 0; n < BQ / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < DKP / 16; ++ks) {
+      uint32_t a[4];
+      load_a(a, Ks, ldk, warp * 16, ks * 16, lane);
+#pragma unroll
+      for (int np = 0; np < BQ / 16; ++np) {
+        uint32_t b[4];
+        load_b_nk(b, Qb, ldk, ks * 16, np * 16, lane);  // B(d, query) = Q[query][d]
+        mma_bf16(s[2 * np], a, b[0], b[1]);
+        mma_bf16(s[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+
+    // P^T: column (query) n*8 + 2*t4 + (e & 1), row (key) g + 8 * (e >= 2).
+    const bool need_mask = key0 + kKeys - 1 > qpos0;
+#pragma unroll
+    for (int n = 0; n < BQ / 8; ++n) {
+      const float2 lse2 = *reinterpret_cast<const float2*>(Lb + n * 8 + 2 * t4);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float pv = fast_exp2(fmaf(s[n][e], scale_log2, -((e & 1) ? lse2.y : lse2.x)));
+        if (need_mask) {
+          const int64_t key = key_lo + ((e & 2) ? 8 : 0);
+          if (key > qpos0 + n * 8 + 2 * t4 + (e & 1)) pv = 0.f;
+        }
+        s[n][e] = pv;
+      }
+    }
+
+    // dP^T = V dO^T.
+    float dp[BQ / 8][4];
+#pragma unroll
+    for (int n = 0; n < BQ / 8; ++n) dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < DVP / 16; ++ks) {
+      uint32_t a[4];
+      load_a(a, Vs, ldv, warp * 16, ks * 16, lane);
+#pragma unroll
+      for (int np = 0; np < BQ / 16; ++np) {
+        uint32_t b[4];
+        load_b_nk(b, dOb, ldv, ks * 16, np * 16, lane);  // B(dv, query) = dO[query][dv]
+        mma_bf16(dp[2 * np], a, b[0], b[1]);
+        mma_bf16(dp[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+
+    // dV += P^T dO (K dimension: the queries).
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; ++kk) {
+      uint32_t a[4];
+      acc_to_a(a, s[2 * kk], s[2 * kk + 1]);
+#pragma unroll
+      for (int dn = 0; dn < DVP / 16; ++dn) {
+        uint32_t b[4];
+        load_b_kn(b, dOb, ldv, kk * 16, dn * 16, lane);  // B(query, dv) = dO[query][dv]
+        mma_bf16(dv[2 * dn], a, b[0], b[1]);
+        mma_bf16(dv[2 * dn + 1], a, b[2], b[3]);
+      }
+    }
+
+    // dS^T = P^T (dP^T - delta), into dp.
+#pragma unroll
+    for (int n = 0; n < BQ / 8; ++n) {
+      const float2 delta = *reinterpret_cast<const float2*>(Db + n * 8 + 2 * t4);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - ((e & 1) ? delta.y : delta.x));
+    }
+
+    // dK += dS^T Q.
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; ++kk) {
+      uint32_t a[4];
+      acc_to_a(a, dp[2 * kk], dp[2 * kk + 1]);
+#pragma unroll
+      for (int dn = 0; dn < DKP / 16; ++dn) {
+        uint32_t b[4];
+        load_b_kn(b, Qb, ldk, kk * 16, dn * 16, lane);  // B(query, d) = Q[query][d]
+        mma_bf16(dk[2 * dn], a, b[0], b[1]);
+        mma_bf16(dk[2 * dn + 1], a, b[2], b[3]);
+      }
+    }
+    __syncthreads();  // everyone is done with buffer `buf` before it is refilled
+  }
+
+  // Rows of this warp: keys key0 + warp * 16 + (g, g + 8); zeros where no query saw the block.
+  const int warp_rows = keys_valid - warp * 16;
+  const int64_t out_row0 = (key0 + warp * 16) * p.Hkv + kvh;
+  store_rows<DKP>(static_cast<bf16*>(p.dk) + out_row0 * Dk, int64_t(p.Hkv) * Dk, warp_rows, Dk, dk,
+                  p.scale, lane);
+  store_rows<DVP>(static_cast<bf16*>(p.dv) + out_row0 * Dv, int64_t(p.Hkv) * Dv, warp_rows, Dv, dv,
+                  1.f, lane);
+}
+
+template <int DKP, int DVP>
+__global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(AttentionBwdParams p) {
+  constexpr int ldk = DKP + kPad, ldv = DVP + kPad;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* Qs = reinterpret_cast<bf16*>(smem_raw);  // [kRows][ldk]
+  bf16* dOs = Qs + kRows * ldk;                  // [kRows][ldv]
+  bf16* Ks = dOs + kRows * ldv;                  // [2][kBN][ldk]
+  bf16* Vs = Ks + 2 * kBN * ldk;                 // [2][kBN][ldv]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int64_t q0 = int64_t(gridDim.x - 1 - blockIdx.x) * kRows;  // heaviest tiles first
+  const int h = blockIdx.y;
+  const int kvh = h / p.group;
+  const int Dk = p.Dk, Dv = p.Dv;
+
+  const int64_t q_rows = min(int64_t(kRows), p.Tq - q0);  // >= 1
+  const int64_t kv_end = min(p.Tk, p.q_offset + q0 + q_rows);
+  const int ntiles = int((kv_end + kBN - 1) / kBN);
+
+  const bf16* kbase = static_cast<const bf16*>(p.k) + int64_t(kvh) * Dk;
+  const bf16* vbase = static_cast<const bf16*>(p.v) + int64_t(kvh) * Dv;
+  auto load_kv = [&](int tile, int buf) {
+    const int64_t k0 = int64_t(tile) * kBN;
+    const int valid = int(min(int64_t(kBN), p.Tk - k0));
+    load_tile(Ks + buf * kBN * ldk, ldk, kbase + k0 * p.k_stride, p.k_stride, kBN, valid, DKP / 8,
+              Dk / 8, tid);
+    load_tile(Vs + buf * kBN * ldv, ldv, vbase + k0 * p.v_stride, p.v_stride, kBN, valid, DVP / 8,
+              Dv / 8, tid);
+  };
+
+  const int64_t do_stride = int64_t(p.Hq) * Dv;
+  load_tile(Qs, ldk, static_cast<const bf16*>(p.q) + q0 * p.q_stride + int64_t(h) * Dk, p.q_stride,
+            kRows, int(q_rows), DKP / 8, Dk / 8, tid);
+  load_tile(dOs, ldv, static_cast<const bf16*>(p.d_o) + q0 * do_stride + int64_t(h) * Dv, do_stride,
+            kRows, int(q_rows), DVP / 8, Dv / 8, tid);
+  load_kv(0, 0);
+  cp_async_commit();
+
+  // This thread's rows g and g + 8 of the warp (padded rows: lse2 = +inf, P = 0).
+  const int64_t r0 = q0 + warp * 16 + g;
+  const float* lse2_row = p.lse2 + int64_t(h) * p.Tq_pad;
+  const float* delta_row = p.delta + int64_t(h) * p.Tq_pad;
+  const float lse2[2] = {lse2_row[r0], lse2_row[r0 + 8]};
+  const float delta[2] = {delta_row[r0], delta_row[r0 + 8]};
+  const int64_t qpos[2] = {p.q_offset + r0, p.q_offset + r0 + 8};
+  const float scale_log2 = p.scale * kLog2e;
+
+  float dq[DKP / 8][4];
+#pragma unroll
+  for (int n = 0; n < DKP / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
+
+  for (int j = 0; j < ntiles; ++j) {
+    const int buf = j & 1;
+    if (j + 1 < ntiles) {
+      load_kv(j + 1, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const bf16* Kb = Ks + buf * kBN * ldk;
+    const bf16* Vb = Vs + buf * kBN * ldv;
+
+    // S = Q K^T: this warp's 16 queries x 64 keys.
+    float s[kBN / 8][4];
+#pragma unroll
+    for (int n = 0; n < kBN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < DKP / 16; ++ks) {
+      uint32_t a[4];
+      load_a(a, Qs, ldk, warp * 16, ks * 16, lane);
+#pragma unroll
+      for (int np = 0; np < kBN / 16; ++np) {
+        uint32_t b[4];
+        load_b_nk(b, Kb, ldk, ks * 16, np * 16, lane);  // B(d, key) = K[key][d]
+        mma_bf16(s[2 * np], a, b[0], b[1]);
+        mma_bf16(s[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+
+    // P: row (query) g + 8 * (e >= 2), column (key) n*8 + 2*t4 + (e & 1).
+    const int64_t k0 = int64_t(j) * kBN;
+    const bool need_mask = k0 + kBN - 1 > p.q_offset + q0 || k0 + kBN > p.Tk;
+#pragma unroll
+    for (int n = 0; n < kBN / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float pv = fast_exp2(fmaf(s[n][e], scale_log2, -lse2[e >> 1]));
+        if (need_mask) {
+          const int64_t key = k0 + n * 8 + 2 * t4 + (e & 1);
+          if (key > qpos[e >> 1] || key >= p.Tk) pv = 0.f;
+        }
+        s[n][e] = pv;
+      }
+    }
+
+    // dP = dO V^T.
+    float dp[kBN / 8][4];
+#pragma unroll
+    for (int n = 0; n < kBN / 8; ++n) dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < DVP / 16; ++ks) {
+      uint32_t a[4];
+      load_a(a, dOs, ldv, warp * 16, ks * 16, lane);
+#pragma unroll
+      for (int np = 0; np < kBN / 16; ++np) {
+        uint32_t b[4];
+        load_b_nk(b, Vb, ldv, ks * 16, np * 16, lane);  // B(dv, key) = V[key][dv]
+        mma_bf16(dp[2 * np], a, b[0], b[1]);
+        mma_bf16(dp[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+
+    // dS = P (dP - delta), into dp; dQ += dS K (K dimension: the keys).
+#pragma unroll
+    for (int n = 0; n < kBN / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta[e >> 1]);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk) {
+      uint32_t a[4];
+      acc_to_a(a, dp[2 * kk], dp[2 * kk + 1]);
+#pragma unroll
+      for (int dn = 0; dn < DKP / 16; ++dn) {
+        uint32_t b[4];
+        load_b_kn(b, Kb, ldk, kk * 16, dn * 16, lane);  // B(key, d) = K[key][d]
+        mma_bf16(dq[2 * dn], a, b[0], b[1]);
+        mma_bf16(dq[2 * dn + 1], a, b[2], b[3]);
+      }
+    }
+    __syncthreads();  // everyone is done with buffer `buf` before it is refilled
+  }
+
+  const int warp_rows = int(q_rows) - warp * 16;
+  const int64_t out_row0 = (q0 + warp * 16) * p.Hq + h;
+  store_rows<DKP>(static_cast<bf16*>(p.dq) + out_row0 * Dk, int64_t(p.Hq) * Dk, warp_rows, Dk, dq,
+                  p.scale, lane);
+}
+
+template <int DKP, int DVP, int BQ>
+size_t dkdv_smem_bytes() {
+  return size_t(kKeys + 2 * BQ) * (DKP + kPad) * 2 + size_t(kKeys + 2 * BQ) * (DVP + kPad) * 2 +
+         size_t(4 * BQ) * sizeof(float);
+}
+template <int DKP, int DVP>
+size_t dq_smem_bytes() {
+  return size_t(kRows + 2 * kBN) * (DKP + kPad) * 2 + size_t(kRows + 2 * kBN) * (DVP + kPad) * 2;
+}
+
+template <int DKP, int DVP, int BQ>
+bool launch(const AttentionBwdParams& p, cudaStream_t stream) {
+  static_assert(kAttentionBwdRowPad % BQ == 0, "workspace rows must cover whole query tiles");
+  const size_t smem_dkdv = dkdv_smem_bytes<DKP, DVP, BQ>();
+  const size_t smem_dq = dq_smem_bytes<DKP, DVP>();
+  const size_t limit = size_t(attention_max_smem());
+  if (smem_dkdv > limit || smem_dq > limit) return false;
+
+  auto dkdv = attention_bwd_dkdv_kernel<DKP, DVP, BQ>;
+  check_cuda(
+      cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_dkdv)),
+      "cudaFuncSetAttribute (attention_bwd_dkdv_kernel)");
+  const dim3 dkdv_grid(unsigned((p.Tk + kKeys - 1) / kKeys), unsigned(p.Hkv));
+  dkdv<<<dkdv_grid, kThreads, smem_dkdv, stream>>>(p);
+  check_launch("attention_bwd_dkdv_kernel");
+
+  auto dq = attention_bwd_dq_kernel<DKP, DVP>;
+  check_cuda(cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_dq)),
+             "cudaFuncSetAttribute (attention_bwd_dq_kernel)");
+  const dim3 dq_grid(unsigned((p.Tq + kRows - 1) / kRows), unsigned(p.Hq));
+  dq<<<dq_grid, kThreads, smem_dq, stream>>>(p);
+  check_launch("attention_bwd_dq_kernel");
+  return true;
+}
+
+bool aligned16(const void* ptr) {
+  return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0;
+}
+
+}  // namespace
+
+bool launch_attention_bwd_mma(const AttentionBwdParams& p, cudaStream_t stream) {
+  if (p.Dk % 8 != 0 || p.Dv % 8 != 0 || p.Dk > 128 || p.Dv > 128) return false;
+  if (p.q_stride % 8 != 0 || p.k_stride % 8 != 0 || p.v_stride % 8 != 0) return false;
+  for (const void* ptr : {p.q, p.k, p.v, p.d_o, static_cast<const void*>(p.dq),
+                          static_cast<const void*>(p.dk), static_cast<const void*>(p.dv)})
+    if (!aligned16(ptr)) return false;
+  if (p.Dk <= 64 && p.Dv <= 64) return launch<64, 64, 64>(p, stream);
+  return launch<128, 128, 64>(p, stream);
+}
+
+}  // namespace kda::ops::cuda_detail

@@ -1,0 +1,139 @@
+// Elementwise kernels of training: the GELU (tanh) and SwiGLU backward, the AdamW update (with
+// its bf16 copy of the weights) and a scale. Formulas as train/hf_gpt2.cpp, train/layers.cpp and
+// train/adamw.cpp. The AdamW arithmetic uses explicitly rounded operations (no fused
+// multiply-adds, IEEE division and square root), the CPU's operation order.
+#include <cmath>
+#include <string>
+
+#include "ops/nn/cuda/nn_common.cuh"
+#include "ops/nn/cuda/train_cuda.h"
+
+namespace kda::ops::cuda {
+namespace {
+
+using namespace nn_detail;
+
+constexpr int kThreads = 256;
+
+__global__ void gelu_tanh_backward_kernel(const float* x, const float* dy, int64_t n, float* dx) {
+  constexpr float kC = 0.7978845608028654f;  // sqrt(2 / pi)
+  constexpr float kCubic = 0.044715f;
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    const float v = x[i];
+    const float t = tanhf(kC * (v + kCubic * v * v * v));
+    const float d =
+        0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * kC * (1.0f + 3.0f * kCubic * v * v);
+    dx[i] = dy[i] * d;
+  }
+}
+
+__global__ void swiglu_backward_kernel(const float* gate_up, const float* dh, int64_t rows,
+                                       int64_t I, float* d_gate_up) {
+  const int64_t n = rows * I;
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    const int64_t r = i / I, c = i - r * I;
+    const int64_t ia = r * 2 * I + c, ib = ia + I;
+    const float a = gate_up[ia], b = gate_up[ib], g = dh[i];
+    const float s = 1.0f / (1.0f + expf(-a));
+    const float silu = a * s;
+    d_gate_up[ib] = g * silu;
+    d_gate_up[ia] = g * b * s * (1.0f + a * (1.0f - s));
+  }
+}
+
+template <class CopyT>
+__global__ void adamw_kernel(float* param, const float* grad, float* m, float* v, int64_t n,
+                             float lr, float b1, float b2, float eps, float decay, float c1,
+                             float c2, float grad_scale, CopyT* copy) {
+  const float one_minus_b1 = 1.0f - b1, one_minus_b2 = 1.0f - b2;
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += step) {
+    const float g = __fmul_rn(grad[j], grad_scale);
+    const float mj = __fadd_rn(__fmul_rn(b1, m[j]), __fmul_rn(one_minus_b1, g));
+    const float vj = __fadd_rn(__fmul_rn(b2, v[j]), __fmul_rn(__fmul_rn(one_minus_b2, g), g));
+    float w = param[j];
+    w = __fsub_rn(w, __fmul_rn(decay, w));
+    const float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(vj, c2)), eps);
+    w = __fsub_rn(w, __fdiv_rn(__fmul_rn(lr, __fdiv_rn(mj, c1)), denom));
+    m[j] = mj;
+    v[j] = vj;
+    param[j] = w;
+    if constexpr (!std::is_same_v<CopyT, void>) {
+      if (copy) {
+        if constexpr (std::is_same_v<CopyT, __nv_bfloat16>)
+          copy[j] = __float2bfloat16_rn(w);
+        else
+          copy[j] = w;
+      }
+    }
+  }
+}
+
+__global__ void scale_kernel(float* x, int64_t n, float s) {
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) x[i] *= s;
+}
+
+}  // namespace
+
+void gelu_tanh_backward(const float* x, const float* dy, int64_t n, float* dx,
+                        cudaStream_t stream) {
+  require(n >= 0, "cuda::gelu_tanh_backward: n must not be negative");
+  if (n == 0) return;
+  require(x && dy && dx, "cuda::gelu_tanh_backward: null pointer");
+  gelu_tanh_backward_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(x, dy, n, dx);
+  check_launch("cuda::gelu_tanh_backward");
+}
+
+void swiglu_backward(const float* gate_up, const float* dh, int64_t rows, int64_t I,
+                     float* d_gate_up, cudaStream_t stream) {
+  require(rows >= 0 && I >= 1, "cuda::swiglu_backward: sizes must be positive");
+  if (rows == 0) return;
+  require(gate_up && dh && d_gate_up, "cuda::swiglu_backward: null pointer");
+  swiglu_backward_kernel<<<grid_for(rows * I, kThreads), kThreads, 0, stream>>>(gate_up, dh, rows,
+                                                                                I, d_gate_up);
+  check_launch("cuda::swiglu_backward");
+}
+
+void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n,
+                const AdamWHyper& hyper, int64_t step, float grad_scale, void* param_copy,
+                ElementType copy_type, cudaStream_t stream) {
+  require(n >= 0, "cuda::adamw_step: n must not be negative");
+  require(step >= 1, "cuda::adamw_step: step is the 1-based number of this update");
+  require(hyper.lr > 0 && hyper.beta1 >= 0 && hyper.beta1 < 1 && hyper.beta2 >= 0 &&
+              hyper.beta2 < 1 && hyper.eps > 0 && hyper.weight_decay >= 0,
+          "cuda::adamw_step: bad hyper-parameters");
+  require(std::isfinite(grad_scale), "cuda::adamw_step: grad_scale is not finite");
+  if (n == 0) return;
+  require(param && grad && m && v, "cuda::adamw_step: null pointer");
+  // The bias corrections and the decay as the CPU computes them (float pow of the step).
+  const float c1 = 1.0f - std::pow(hyper.beta1, float(step));
+  const float c2 = 1.0f - std::pow(hyper.beta2, float(step));
+  const float decay = hyper.lr * hyper.weight_decay;
+  const unsigned grid = grid_for(n, kThreads);
+  if (!param_copy) {
+    adamw_kernel<void><<<grid, kThreads, 0, stream>>>(param, grad, m, v, n, hyper.lr, hyper.beta1,
+                                                      hyper.beta2, hyper.eps, decay, c1, c2,
+                                                      grad_scale, nullptr);
+  } else {
+    dispatch_type(copy_type, [&](auto* tag) {
+      using CopyT = std::remove_pointer_t<decltype(tag)>;
+      adamw_kernel<CopyT><<<grid, kThreads, 0, stream>>>(
+          param, grad, m, v, n, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, decay, c1, c2,
+          grad_scale, static_cast<CopyT*>(param_copy));
+    });
+  }
+  check_launch("cuda::adamw_step");
+}
+
+void scale(float* x, int64_t n, float s, cudaStream_t stream) {
+  require(n >= 0, "cuda::scale: n must not be negative");
+  if (n == 0) return;
+  require(x, "cuda::scale: null pointer");
+  scale_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(x, n, s);
+  check_launch("cuda::scale");
+}
+
+}  // namespace kda::ops::cuda
