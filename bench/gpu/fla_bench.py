@@ -5,6 +5,9 @@ side-by-side table (shape, ours ms, fla ms, ratio, % of floor).
     python3 bench/gpu/fla_bench.py --ours kda_gpu_bench.tsv [--out table.md] [--only-kda]
 
 --only-kda: the KDA chunked rows alone (no GDN, no decode; kda_gpu_check's KDA_BENCH_ONLY=kda).
+--flashkda: also time Moonshot's FlashKDA forward (`import flash_kda`, built beside the
+checkout; not part of this repository) on the KDA layer's inputs, as a second table against our
+chunk_fwd_kda_layer rows. --no-fla: skip fla (FlashKDA alone).
 
 fla is imported from PYTHONPATH (scripts/gpu_run.sh points it at gpu_carry/ when present).
 If fla cannot be imported, only our numbers are printed, and the script says so.
@@ -196,16 +199,66 @@ def time_fla(results, only_kda=False):
     return results
 
 
+def time_flashkda(results):
+    """FlashKDA's fwd on the same raw layer inputs as fla's chunk_fwd_kda_layer anchor: raw q, k
+    (l2-normalised inside), gate logits with A_log = 0, dt_bias uniform(-0.5, 0.5),
+    lower_bound = -5, beta logits, scale K^-0.5, final state written (fp32)."""
+    import torch
+    import triton
+    import flash_kda
+
+    dev, bf = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for B, T in CHUNK_SHAPES:
+            key = f"{B}x{T}"
+            q = torch.randn(B, T, H, K, device=dev, dtype=bf)
+            k = torch.randn(B, T, H, K, device=dev, dtype=bf)
+            v = torch.randn(B, T, H, V, device=dev, dtype=bf)
+            graw = torch.randn(B, T, H, K, device=dev, dtype=bf)
+            braw = torch.randn(B, T, H, device=dev, dtype=bf)
+            A_log = torch.zeros(H, device=dev, dtype=torch.float32)
+            dt_bias = torch.rand(H, K, device=dev, dtype=torch.float32) - 0.5
+            out = torch.empty(B, T, H, V, device=dev, dtype=bf)
+            ht = torch.empty(B, H, V, K, device=dev, dtype=torch.float32)
+            results[("chunk_fwd_kda_layer", key)] = triton.testing.do_bench(
+                lambda: flash_kda.fwd(q, k, v, graw, braw, K ** -0.5, out, A_log, dt_bias, -5.0,
+                                      final_state=ht),
+                warmup=50, rep=300, return_mode="median")
+            print(f"FlashKDA fwd {key}: {results[('chunk_fwd_kda_layer', key)]:.3f} ms",
+                  flush=True)
+            del q, k, v, graw, braw, out, ht
+            torch.cuda.empty_cache()
+    return results
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ours", required=True)
     ap.add_argument("--out")
     ap.add_argument("--only-kda", action="store_true")
+    ap.add_argument("--flashkda", action="store_true")
+    ap.add_argument("--no-fla", action="store_true")
     args = ap.parse_args()
     ours, ceilings = read_ours(args.ours)
     signal.signal(signal.SIGTERM, _on_term)
+    flk = {}
+    if args.flashkda:
+        try:
+            time_flashkda(flk)
+        except Exception as e:  # keep the rest
+            print(f"FlashKDA NOT timed ({type(e).__name__}: {str(e)[:300]})", flush=True)
+    if flk:
+        print("\n| op | shape | ours ms | FlashKDA ms | ours/FlashKDA |\n|---|---|---|---|---|")
+        for (op, shape), ms in flk.items():
+            mine = ours.get((op, shape))
+            if mine:
+                print(f"| {op} | {shape} | {mine[0]:.4f} | {ms:.4f} | {mine[0] / ms:.2f} |")
+        print(flush=True)
     fla = {}
     try:
+        if args.no_fla:
+            raise ImportError("--no-fla")
         time_fla(fla, args.only_kda)
         fla_note = "fla timed in this run"
     except OutOfTime:
