@@ -5,7 +5,8 @@
 # kernels' checks against the CPU references, benchmark them, run compute-sanitizer (memcheck,
 # racecheck) on one small case, time fla on the same shapes (when gpu_carry/fla is present), and
 # print the table last. Fixture models come from gpu_carry/shared/models (a copy of
-# ../shared/fixtures/models without grads/; ../shared does not travel).
+# ../shared/fixtures/models; only gpt2_tiny keeps grads/, for the gpt2_train suite; ../shared
+# does not travel). How to fill gpu_carry/: docs/GPU_NOTES.md, "Preparing gpu_carry".
 #
 #   scripts/gpu_run.sh [--check-only | --bench-only | --no-fla | --model]
 #
