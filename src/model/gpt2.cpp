@@ -16,6 +16,48 @@
 
 namespace kda::model {
 
+std::string gpt2_prefix(const ModelFolder& folder) {
+  // Checkpoints saved from GPT2LMHeadModel prefix the body with "transformer."; those saved
+  // from GPT2Model (e.g. the original "gpt2" upload) do not.
+  return !folder.has("transformer.wte.weight") && folder.has("wte.weight") ? "" : "transformer.";
+}
+
+std::map<std::string, Shape> gpt2_expected_tensors(const Gpt2Config& c, const ModelFolder& folder) {
+  const int64_t V = c.vocab, P = c.positions, E = c.embd, I = c.inner;
+  const std::string prefix = gpt2_prefix(folder);
+  std::map<std::string, Shape> expected = {
+      {prefix + "wte.weight", {V, E}},
+      {prefix + "wpe.weight", {P, E}},
+      {prefix + "ln_f.weight", {E}},
+      {prefix + "ln_f.bias", {E}},
+  };
+  const auto layer_name = [&](int64_t l, const std::string& rest) {
+    return prefix + "h." + std::to_string(l) + "." + rest;
+  };
+  for (int64_t l = 0; l < c.layers; ++l) {
+    expected[layer_name(l, "ln_1.weight")] = {E};
+    expected[layer_name(l, "ln_1.bias")] = {E};
+    expected[layer_name(l, "attn.c_attn.weight")] = {E, 3 * E};
+    expected[layer_name(l, "attn.c_attn.bias")] = {3 * E};
+    expected[layer_name(l, "attn.c_proj.weight")] = {E, E};
+    expected[layer_name(l, "attn.c_proj.bias")] = {E};
+    expected[layer_name(l, "ln_2.weight")] = {E};
+    expected[layer_name(l, "ln_2.bias")] = {E};
+    expected[layer_name(l, "mlp.c_fc.weight")] = {E, I};
+    expected[layer_name(l, "mlp.c_fc.bias")] = {I};
+    expected[layer_name(l, "mlp.c_proj.weight")] = {I, E};
+    expected[layer_name(l, "mlp.c_proj.bias")] = {E};
+    // Older transformers versions saved the causal mask buffers; they carry no weights.
+    for (const char* buffer : {"attn.bias", "attn.masked_bias"}) {
+      const std::string name = layer_name(l, buffer);
+      if (folder.has(name)) expected[name] = folder.view(name).shape;
+    }
+  }
+  // A tied lm_head may be saved too (it is the token embedding); an untied one must be.
+  if (!c.tied || folder.has("lm_head.weight")) expected["lm_head.weight"] = {V, E};
+  return expected;
+}
+
 namespace {
 
 using json = nlohmann::json;
@@ -179,41 +221,11 @@ class Gpt2Model : public CausalLM {
 
 Gpt2Model::Gpt2Model(const Gpt2Config& config, const ModelFolder& folder)
     : config_(config), info_(describe(config)) {
-  const int64_t V = config_.vocab, P = config_.positions, E = config_.embd, I = config_.inner;
-  // Checkpoints saved from GPT2LMHeadModel prefix the body with "transformer."; those saved
-  // from GPT2Model (e.g. the original "gpt2" upload) do not.
-  const std::string prefix =
-      !folder.has("transformer.wte.weight") && folder.has("wte.weight") ? "" : "transformer.";
-  std::map<std::string, Shape> expected = {
-      {prefix + "wte.weight", {V, E}},
-      {prefix + "wpe.weight", {P, E}},
-      {prefix + "ln_f.weight", {E}},
-      {prefix + "ln_f.bias", {E}},
-  };
+  const std::string prefix = gpt2_prefix(folder);
+  const std::map<std::string, Shape> expected = gpt2_expected_tensors(config_, folder);
   const auto layer_name = [&](int64_t l, const std::string& rest) {
     return prefix + "h." + std::to_string(l) + "." + rest;
   };
-  for (int64_t l = 0; l < config_.layers; ++l) {
-    expected[layer_name(l, "ln_1.weight")] = {E};
-    expected[layer_name(l, "ln_1.bias")] = {E};
-    expected[layer_name(l, "attn.c_attn.weight")] = {E, 3 * E};
-    expected[layer_name(l, "attn.c_attn.bias")] = {3 * E};
-    expected[layer_name(l, "attn.c_proj.weight")] = {E, E};
-    expected[layer_name(l, "attn.c_proj.bias")] = {E};
-    expected[layer_name(l, "ln_2.weight")] = {E};
-    expected[layer_name(l, "ln_2.bias")] = {E};
-    expected[layer_name(l, "mlp.c_fc.weight")] = {E, I};
-    expected[layer_name(l, "mlp.c_fc.bias")] = {I};
-    expected[layer_name(l, "mlp.c_proj.weight")] = {I, E};
-    expected[layer_name(l, "mlp.c_proj.bias")] = {E};
-    // Older transformers versions saved the causal mask buffers; they carry no weights.
-    for (const char* buffer : {"attn.bias", "attn.masked_bias"}) {
-      const std::string name = layer_name(l, buffer);
-      if (folder.has(name)) expected[name] = folder.view(name).shape;
-    }
-  }
-  // A tied lm_head may be saved too (it is the token embedding); an untied one must be.
-  if (!config_.tied || folder.has("lm_head.weight")) expected["lm_head.weight"] = {V, E};
   folder.check_tensors(expected);
 
   const auto load = [&](const std::string& name) {

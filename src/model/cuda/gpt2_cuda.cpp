@@ -40,7 +40,6 @@ class Gpt2Cuda;
 class Gpt2CudaSession final : public Session {
  public:
   Gpt2CudaSession(const Gpt2Cuda& model, int64_t max_context);
-  ~Gpt2CudaSession() override;
   Tensor feed(std::span<const int32_t> ids) override { return run(ids, false); }
   Tensor feed_last(std::span<const int32_t> ids) override { return run(ids, true); }
   int64_t length() const override { return length_; }
@@ -51,9 +50,7 @@ class Gpt2CudaSession final : public Session {
   Tensor run(std::span<const int32_t> ids, bool last_only);
   const Gpt2Cuda& model_;
   int64_t length_ = 0, max_context_ = 0;
-  cudaStream_t stream_ = nullptr;
-  std::unique_ptr<k::Gemm> gemm_;
-  std::unique_ptr<Context> ctx_;
+  SessionDevice device_;
   std::vector<DeviceBuffer> keys_, values_;  // per layer [max_context, E]
 };
 
@@ -94,12 +91,10 @@ Gpt2Cuda::Gpt2Cuda(const ModelFolder& folder, ElementType type)
     : c_(Gpt2Config::from_json(folder.config())), type_(type) {
   require(c_.activation == Gpt2Activation::gelu_tanh,
           "gpt2 (cuda): activation '" + c_.activation_name + "' has no CUDA path (gelu_new)");
-  // The CPU loader validates every tensor name and shape (extra, missing, wrong) and describes
-  // the model; its fp32 weights are dropped again.
-  info_ = load_gpt2(folder)->info();
+  folder.check_tensors(gpt2_expected_tensors(c_, folder));
+  info_ = describe_gpt2(folder.config());
   const int64_t V = c_.vocab, P = c_.positions, E = c_.embd, I = c_.inner;
-  const std::string prefix =
-      !folder.has("transformer.wte.weight") && folder.has("wte.weight") ? "" : "transformer.";
+  const std::string prefix = gpt2_prefix(folder);
   auto name = [&](int64_t l, const std::string& rest) {
     return prefix + "h." + std::to_string(l) + "." + rest;
   };
@@ -205,21 +200,12 @@ Tensor Gpt2Cuda::run(const int32_t* ids_device, int64_t T, int64_t past, bool la
 }
 
 Gpt2CudaSession::Gpt2CudaSession(const Gpt2Cuda& model, int64_t max_context)
-    : model_(model), max_context_(max_context) {
-  k::check_cuda(cudaStreamCreate(&stream_), "cudaStreamCreate");
-  gemm_ = std::make_unique<k::Gemm>(stream_);
-  ctx_ = std::make_unique<Context>(Context{*gemm_, model.type(), {}, {}});
+    : model_(model), max_context_(max_context), device_(model.type()) {
   const size_t bytes = size_t(max_context * model.config().embd) * k::element_bytes(model.type());
   for (int64_t l = 0; l < model.config().layers; ++l) {
     keys_.emplace_back(bytes);
     values_.emplace_back(bytes);
   }
-}
-
-Gpt2CudaSession::~Gpt2CudaSession() {
-  ctx_.reset();
-  gemm_.reset();
-  if (stream_) cudaStreamDestroy(stream_);
 }
 
 MemoryReport Gpt2CudaSession::memory() const {
@@ -240,11 +226,11 @@ Tensor Gpt2CudaSession::run(std::span<const int32_t> ids, bool last_only) {
     require(id >= 0 && id < model_.vocab_size(),
             "gpt2 (cuda): token id " + std::to_string(id) + " is outside the vocabulary");
   }
-  int32_t* ids_device = take<int32_t>(ctx_->s.ids, T);
-  k::check_cuda(
-      cudaMemcpyAsync(ids_device, ids.data(), size_t(T) * 4, cudaMemcpyHostToDevice, stream_),
-      "cudaMemcpyAsync (ids)");
-  Tensor logits = model_.run(ids_device, T, length_, last_only, keys_, values_, *ctx_);
+  int32_t* ids_device = take<int32_t>(device_.ctx().s.ids, T);
+  k::check_cuda(cudaMemcpyAsync(ids_device, ids.data(), size_t(T) * 4, cudaMemcpyHostToDevice,
+                                device_.stream()),
+                "cudaMemcpyAsync (ids)");
+  Tensor logits = model_.run(ids_device, T, length_, last_only, keys_, values_, device_.ctx());
   length_ += T;
   return logits;
 }

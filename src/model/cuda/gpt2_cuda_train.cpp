@@ -1,4 +1,5 @@
 #include "model/cuda/gpt2_cuda_train.h"
+#include "model/gpt2.h"
 
 #include <algorithm>
 #include <cmath>
@@ -154,19 +155,9 @@ Shape checkpoint_shape(const P& p) {
 
 Gpt2CudaTrainer::Gpt2CudaTrainer(const std::string& folder_path, ElementType type) : type_(type) {
   const ModelFolder folder = ModelFolder::open(folder_path);
-  prefix_ = !folder.has("transformer.wte.weight") && folder.has("wte.weight") ? "" : "transformer.";
+  prefix_ = gpt2_prefix(folder);
   init(folder.config());
-  std::map<std::string, Shape> expected;
-  for (const auto& p : params_) expected[p->name] = checkpoint_shape(*p);
-  for (int64_t l = 0; l < c_.layers; ++l) {
-    // saved causal-mask buffers of older transformers versions carry no weights
-    for (const char* buffer : {"attn.bias", "attn.masked_bias"}) {
-      const std::string name = prefix_ + "h." + std::to_string(l) + "." + buffer;
-      if (folder.has(name)) expected[name] = folder.view(name).shape;
-    }
-  }
-  if (folder.has("lm_head.weight")) expected["lm_head.weight"] = {c_.vocab, c_.embd};
-  folder.check_tensors(expected);
+  folder.check_tensors(gpt2_expected_tensors(c_, folder));
   for (auto& p : params_) {
     const Tensor t = folder.load(p->name, checkpoint_shape(*p));
     set_value(*p, t.f32(), type_, stream_);

@@ -4,6 +4,7 @@
 // Mirrors model/kimi_linear_blocks.h (the CPU model), whose loaders supply the host weights.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "model/cuda/stage_timer.h"
@@ -38,6 +39,23 @@ struct Context {
   int64_t plan_keys = 0;
   cudaStream_t stream() const { return gemm.stream(); }
   size_t esize() const { return ops::cuda::element_bytes(type); }
+};
+
+// What a session owns on the device besides its memory: its stream, the stream's cuBLAS handle
+// and the scratch of its forward passes (sessions run independently of one another).
+class SessionDevice {
+ public:
+  explicit SessionDevice(ElementType type);
+  ~SessionDevice();
+  SessionDevice(const SessionDevice&) = delete;
+  SessionDevice& operator=(const SessionDevice&) = delete;
+  cudaStream_t stream() const { return stream_; }
+  Context& ctx() { return *ctx_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<ops::cuda::Gemm> gemm_;
+  std::unique_ptr<Context> ctx_;
 };
 
 // Grows `b` to hold n elements of `bytes_each` bytes and returns its memory as T*.

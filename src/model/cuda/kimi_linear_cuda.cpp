@@ -48,9 +48,7 @@ class KimiCudaSession final : public Session {
 
   const KimiLinearCuda& model_;
   int64_t length_ = 0, max_context_ = 0;
-  cudaStream_t stream_ = nullptr;
-  std::unique_ptr<k::Gemm> gemm_;
-  std::unique_ptr<Context> ctx_;
+  SessionDevice device_;
   std::vector<KdaDeviceState> kda_;        // per layer (empty for MLA layers)
   std::vector<LatentDeviceCache> latent_;  // per layer (empty for KDA layers)
 
@@ -229,17 +227,15 @@ void KimiLinearCuda::run_layers(const int32_t* ids_device, int64_t T, int64_t ro
   timer.mark(stream, "lm_head");
 }
 
-KimiCudaSession::KimiCudaSession(const KimiLinearCuda& model, int64_t max_context) : model_(model) {
+KimiCudaSession::KimiCudaSession(const KimiLinearCuda& model, int64_t max_context)
+    : model_(model), device_(model.type()) {
   const KimiLinearConfig& c = model.config();
   require(max_context >= 0, "kimi_linear (cuda): max_context must be non-negative");
   max_context_ = max_context == 0 ? c.max_context : max_context;
-  k::check_cuda(cudaStreamCreate(&stream_), "cudaStreamCreate");
-  gemm_ = std::make_unique<k::Gemm>(stream_);
-  ctx_ = std::make_unique<Context>(Context{*gemm_, model.type(), {}, {}});
   kda_.resize(size_t(c.num_layers));
   latent_.resize(size_t(c.num_layers));
   const char* knob = std::getenv("KDA_CUDA_GRAPH");
-  graphs_ = !(knob && knob[0] == '0') && !ctx_->timer.enabled();
+  graphs_ = !(knob && knob[0] == '0') && !device_.ctx().timer.enabled();
   if (graphs_) {
     length_device_.resize(4);
     k::check_cuda(cudaMallocHost(&pinned_, 2 * sizeof(int32_t)), "cudaMallocHost");
@@ -266,11 +262,8 @@ KimiCudaSession::~KimiCudaSession() {
   drop_graph();
   if (pinned_) cudaFreeHost(pinned_);
   if (pinned_logits_) cudaFreeHost(pinned_logits_);
-  if (ctx_)
-    ctx_->timer.report("kimi_linear (cuda) session of " + std::to_string(length_) + " tokens");
-  ctx_.reset();
-  gemm_.reset();
-  if (stream_) cudaStreamDestroy(stream_);
+  device_.ctx().timer.report("kimi_linear (cuda) session of " + std::to_string(length_) +
+                             " tokens");
 }
 
 MemoryReport KimiCudaSession::memory() const {
@@ -301,14 +294,14 @@ Tensor KimiCudaSession::run(std::span<const int32_t> ids, bool last_only) {
   Tensor logits(DType::f32, {last_only ? 1 : T, V});
   for (int64_t start = 0; start < T; start += kPrefillPieceTokens) {
     const int64_t n = std::min(kPrefillPieceTokens, T - start);
-    int32_t* ids_device = take<int32_t>(ctx_->s.ids, n);
+    int32_t* ids_device = take<int32_t>(device_.ctx().s.ids, n);
     k::check_cuda(cudaMemcpyAsync(ids_device, ids.data() + start, size_t(n) * 4,
-                                  cudaMemcpyHostToDevice, stream_),
+                                  cudaMemcpyHostToDevice, device_.stream()),
                   "cudaMemcpyAsync (ids)");
     const bool last_piece = start + n == T;
     float* host = last_only ? (last_piece ? logits.f32() : nullptr) : logits.f32() + start * V;
-    model_.run_layers(ids_device, n, last_only ? 1 : n, kda_, latent_, *ctx_, host);
-    k::check_cuda(cudaStreamSynchronize(stream_), "kimi_linear (cuda) forward");
+    model_.run_layers(ids_device, n, last_only ? 1 : n, kda_, latent_, device_.ctx(), host);
+    k::check_cuda(cudaStreamSynchronize(device_.stream()), "kimi_linear (cuda) forward");
     length_ += n;
   }
   return logits;
@@ -321,38 +314,38 @@ Tensor KimiCudaSession::run(std::span<const int32_t> ids, bool last_only) {
 Tensor KimiCudaSession::decode_step(int32_t id) {
   const int64_t V = model_.vocab_size();
   const int64_t plan = graph_plan_keys(length_ + 1, max_context_);
-  int32_t* ids_device = take<int32_t>(ctx_->s.ids, 1);
+  int32_t* ids_device = take<int32_t>(device_.ctx().s.ids, 1);
   pinned_[0] = id;
   pinned_[1] = int32_t(length_ + 1);
-  k::check_cuda(cudaMemcpyAsync(ids_device, pinned_, 4, cudaMemcpyHostToDevice, stream_),
+  k::check_cuda(cudaMemcpyAsync(ids_device, pinned_, 4, cudaMemcpyHostToDevice, device_.stream()),
                 "cudaMemcpyAsync (id)");
-  k::check_cuda(
-      cudaMemcpyAsync(length_device_.data(), pinned_ + 1, 4, cudaMemcpyHostToDevice, stream_),
-      "cudaMemcpyAsync (length)");
-  ctx_->length_device = length_device_.as<int32_t>();
-  ctx_->plan_keys = plan;
+  k::check_cuda(cudaMemcpyAsync(length_device_.data(), pinned_ + 1, 4, cudaMemcpyHostToDevice,
+                                device_.stream()),
+                "cudaMemcpyAsync (length)");
+  device_.ctx().length_device = length_device_.as<int32_t>();
+  device_.ctx().plan_keys = plan;
   if (graph_ && plan == graph_plan_) {
-    k::check_cuda(cudaGraphLaunch(graph_, stream_), "cudaGraphLaunch");
+    k::check_cuda(cudaGraphLaunch(graph_, device_.stream()), "cudaGraphLaunch");
     for (LatentDeviceCache& cache : latent_) cache.length += cache.capacity > 0;  // host's count
   } else if (eager_plan_ == plan) {
     if (graph_) cudaGraphExecDestroy(graph_);
     graph_ = nullptr;
     cudaGraph_t graph = nullptr;
-    k::check_cuda(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal),
+    k::check_cuda(cudaStreamBeginCapture(device_.stream(), cudaStreamCaptureModeThreadLocal),
                   "cudaStreamBeginCapture");
-    model_.run_layers(ids_device, 1, 1, kda_, latent_, *ctx_, pinned_logits_);
-    k::check_cuda(cudaStreamEndCapture(stream_, &graph), "cudaStreamEndCapture");
+    model_.run_layers(ids_device, 1, 1, kda_, latent_, device_.ctx(), pinned_logits_);
+    k::check_cuda(cudaStreamEndCapture(device_.stream(), &graph), "cudaStreamEndCapture");
     const cudaError_t made = cudaGraphInstantiate(&graph_, graph, 0);
     cudaGraphDestroy(graph);
     k::check_cuda(made, "cudaGraphInstantiate");
     graph_plan_ = plan;
-    k::check_cuda(cudaGraphLaunch(graph_, stream_), "cudaGraphLaunch");
+    k::check_cuda(cudaGraphLaunch(graph_, device_.stream()), "cudaGraphLaunch");
   } else {  // first step for this bound: eager, sizing every buffer the graph will use
-    model_.run_layers(ids_device, 1, 1, kda_, latent_, *ctx_, pinned_logits_);
+    model_.run_layers(ids_device, 1, 1, kda_, latent_, device_.ctx(), pinned_logits_);
     eager_plan_ = plan;
   }
-  ctx_->length_device = nullptr;
-  k::check_cuda(cudaStreamSynchronize(stream_), "kimi_linear (cuda) decode step");
+  device_.ctx().length_device = nullptr;
+  k::check_cuda(cudaStreamSynchronize(device_.stream()), "kimi_linear (cuda) decode step");
   length_ += 1;
   Tensor logits(DType::f32, {1, V});
   std::copy_n(pinned_logits_, V, logits.f32());

@@ -3,22 +3,13 @@
 #include "core/error.h"
 #include "model/cuda/mla_kernels.h"
 #include "ops/common/device_buffer.h"
+#include "ops/delta_rule/cuda/device_common.cuh"
 
 namespace kda::model::cuda {
 namespace {
 
-__device__ __forceinline__ float load_as_f32(const float* p, int64_t i) {
-  return p[i];
-}
-__device__ __forceinline__ float load_as_f32(const __nv_bfloat16* p, int64_t i) {
-  return __bfloat162float(p[i]);
-}
-__device__ __forceinline__ void store_from_f32(float* p, int64_t i, float x) {
-  p[i] = x;
-}
-__device__ __forceinline__ void store_from_f32(__nv_bfloat16* p, int64_t i, float x) {
-  p[i] = __float2bfloat16_rn(x);
-}
+using ops::cuda_detail::from_f32;
+using ops::cuda_detail::to_f32;
 
 // One block per (token, head); threads stride over the head's nope + rope + v outputs.
 template <class T>
@@ -32,11 +23,11 @@ __global__ void expand_kernel(const float* kvb, const T* rows, int64_t H, int64_
   T* value = values + (t * H + h) * v;
   for (int64_t i = threadIdx.x; i < qk + v; i += blockDim.x) {
     if (i < nope) {
-      store_from_f32(key, i, src[i]);
+      key[i] = from_f32<T>(src[i]);
     } else if (i < qk) {
       key[i] = row[latent + (i - nope)];
     } else {
-      store_from_f32(value, i - qk, src[nope + (i - qk)]);
+      value[i - qk] = from_f32<T>(src[nope + (i - qk)]);
     }
   }
 }

@@ -445,10 +445,6 @@ bool launch(const AttentionBwdParams& p, cudaStream_t stream) {
   return true;
 }
 
-bool aligned16(const void* ptr) {
-  return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0;
-}
-
 }  // namespace
 
 bool launch_attention_bwd_mma(const AttentionBwdParams& p, cudaStream_t stream) {

@@ -414,10 +414,6 @@ bool launch_rows(const AttentionParams& p, int dkp, bool v_alias, cudaStream_t s
   return launch<RB, 128>(p, dkp, v_alias, stream);
 }
 
-bool aligned16(const void* ptr) {
-  return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0;
-}
-
 }  // namespace
 
 bool launch_attention_decode(const AttentionParams& p, cudaStream_t stream) {

@@ -358,10 +358,6 @@ __global__ void __launch_bounds__(kThreads, 1) attention_decode_bulk_kernel(Atte
 #endif
 }
 
-bool aligned16(const void* ptr) {
-  return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0;
-}
-
 // One instantiation's launcher and its co-resident blocks per SM (0 when it cannot run here).
 template <int RB, int DKP, int DVP, bool VA>
 struct BulkKernel {

@@ -269,10 +269,6 @@ bool launch(const AttentionParams& p, int dkp, cudaStream_t stream) {
   return true;
 }
 
-bool aligned16(const void* ptr) {
-  return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0;
-}
-
 }  // namespace
 
 bool launch_attention_prefill(const AttentionParams& p, cudaStream_t stream) {

@@ -1,5 +1,6 @@
-// Small device helpers shared by the delta-rule kernels: bf16/fp32 loads, tensor-core fragments
-// (mma.sync m16n8k16 bf16 -> fp32, ldmatrix), cp.async, and the launch error check.
+// Small device helpers shared by the delta-rule, attention, MoE and model kernels: bf16/fp32 loads,
+// tensor-core fragments (mma.sync m16n8k16 bf16 -> fp32, ldmatrix), cp.async, and the launch error
+// check.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -17,6 +18,10 @@ inline void check_cuda(cudaError_t status, const char* what) {
 }
 inline void check_launch(const char* what) {
   check_cuda(cudaGetLastError(), what);
+}
+// True when p may be read 16 bytes at a time (uint4 / cp.async / bulk copies).
+inline bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
 
 // ---- element loads/stores (bf16 or fp32 storage, fp32 arithmetic) ----

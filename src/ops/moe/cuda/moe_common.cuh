@@ -7,33 +7,14 @@
 #include <cstdint>
 
 #include "ops/common/device_buffer.h"
+#include "ops/delta_rule/cuda/device_common.cuh"
 
 namespace kda::ops::cuda::moe_detail {
 
-inline void check_launch(const char* what) {
-  check_cuda(cudaGetLastError(), what);
-}
-
-inline bool aligned16(const void* p) {
-  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
-}
-
-__device__ __forceinline__ float to_f32(float x) {
-  return x;
-}
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <class T>
-__device__ __forceinline__ T from_f32(float x);
-template <>
-__device__ __forceinline__ float from_f32<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
+using cuda_detail::aligned16;
+using cuda_detail::check_launch;
+using cuda_detail::from_f32;
+using cuda_detail::to_f32;
 
 // 8 consecutive elements as floats; p 16-byte aligned.
 __device__ __forceinline__ void load8(const __nv_bfloat16* p, float out[8]) {
