@@ -8,10 +8,16 @@
 # ../shared/fixtures/models; only gpt2_tiny keeps grads/, for the gpt2_train suite; ../shared
 # does not travel). How to fill gpu_carry/: docs/GPU_NOTES.md, "Preparing gpu_carry".
 #
-#   scripts/gpu_run.sh [--check-only | --bench-only | --no-fla | --model]
+#   scripts/gpu_run.sh [--check-only | --bench-only | --no-fla | --model | --train]
 #
 # --no-fla: everything but timing fla (a quicker call).
 # --model:  the model path (checks + benchmarks) and the delta-rule kernels' checks only.
+# --train:  training on the GPU only: one build (kda, kda_gpu_model, kda_gpu_train; needs
+#           gpu_carry/pcre2), the training kernels' checks (attention, attention_bwd,
+#           lineage_ops, train, gpt2_train), the lineage GPU trainer against the CPU one and its
+#           throughput; then, when KDA_RECALL is set, `kda bench recall --device cuda $KDA_RECALL`.
+#           KDA_SKIP_KERNELS / KDA_SKIP_TRAIN_CHECK skip the kernel suites / the trainer checks;
+#           KDA_TRAIN_BENCH=--check skips the trainer's throughput; KDA_NSYS profiles one step.
 #
 # Logs and tables go to $OUT when set (the device tool's output folder), else out/gpu/.
 # Exit status: non-zero if the build fails or any check fails.
@@ -27,6 +33,57 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 date -u +"%Y-%m-%d %H:%M UTC"
 
 script_start=$(date +%s)
+
+if [ "$mode" = "--train" ]; then
+  echo "== configure + build (build-gpu-app: kda, kda_gpu_model, kda_gpu_train; sm_90a)"
+  export PKG_CONFIG_PATH="$PWD/gpu_carry/pcre2/lib/pkgconfig" LD_LIBRARY_PATH="$PWD/gpu_carry/pcre2/lib"
+  start=$(date +%s)
+  if ! { cmake -S . -B build-gpu-app -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_CUDA_ARCHITECTURES=90a -DKDA_TESTS=OFF >"$log_dir/configure_app.log" 2>&1 &&
+    cmake --build build-gpu-app --target kda kda_gpu_model kda_gpu_train -j "$(nproc)" \
+      >"$log_dir/build_app.log" 2>&1; }; then
+    grep -E "error" -A3 "$log_dir/configure_app.log" "$log_dir/build_app.log" | head -40
+    exit 1
+  fi
+  echo "built in $(($(date +%s) - start)) s"
+  status=0
+  touch "$log_dir/train_kernels.log" "$log_dir/lineage_train.log"
+  if [ -z "${KDA_SKIP_KERNELS:-}" ]; then
+    echo "== kda_gpu_model: the training kernels"
+    timeout 240 ./build-gpu-app/bin/kda_gpu_model --check --bench --shared gpu_carry/shared \
+      attention attention_bwd lineage_ops train gpt2_train 2>&1 |
+      tee "$log_dir/train_kernels.log" | grep -v "^CHECK.*PASS"
+    [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+    echo "kernels: $(grep -c "^CHECK.*PASS" "$log_dir/train_kernels.log") checks pass"
+  fi
+  if [ -z "${KDA_SKIP_TRAIN_CHECK:-}" ]; then
+    echo "== kda_gpu_train --check ${KDA_TRAIN_BENCH:---bench}"
+    # shellcheck disable=SC2086
+    timeout 300 ./build-gpu-app/bin/kda_gpu_train --check ${KDA_TRAIN_BENCH:---bench} 2>&1 |
+      tee "$log_dir/lineage_train.log" | grep -v "^CHECK.*PASS"
+    [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+  fi
+  if [ -n "${KDA_NSYS:-}" ] && command -v nsys >/dev/null; then
+    echo "== nsys: where a 125M softmax training step spends its time (kernels, top 30)"
+    timeout 120 nsys profile -t cuda -o "$log_dir/train_profile" --force-overwrite true \
+      ./build-gpu-app/bin/kda_gpu_train --profile >/dev/null 2>&1
+    nsys stats -r cuda_gpu_kern_sum -f csv "$log_dir/train_profile.nsys-rep" 2>/dev/null |
+      python3 -c 'import csv,sys
+rows=[r for r in csv.reader(sys.stdin) if len(r)>8]
+hdr=rows[0]; rows=rows[1:]
+for r in rows[:30]: print("%5s%% %10.2f ms %6s  %s" % (r[0], float(r[1])/1e6, r[2], r[-1][:110]))'
+  fi
+  if [ -n "${KDA_RECALL:-}" ]; then
+    echo "== kda bench recall --device cuda $KDA_RECALL"
+    left=$((560 - ($(date +%s) - script_start)))
+    # shellcheck disable=SC2086
+    timeout -k 10 "$left" ./build-gpu-app/bin/kda bench recall --device cuda --out "$log_dir/recall" \
+      $KDA_RECALL 2>&1 | tail -40
+  fi
+  echo "== table"
+  grep "^BENCH" "$log_dir/train_kernels.log" "$log_dir/lineage_train.log" | sed 's/^[^:]*://'
+  exit "$status"
+fi
 # KDA_GPU_BIN: a kda_gpu_check built elsewhere (sm_90a, KDA_NATIVE=OFF) and carried along; used
 # when it loads on this machine (an unknown flag must give the usage error, exit 2).
 bin=./build-gpu/bin/kda_gpu_check

@@ -11,6 +11,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -130,3 +131,39 @@ TEST(CliTrain, KimiLinearRunResumesExactlyAndExportsARunnableModel) {
 }
 
 }  // namespace
+
+namespace {
+
+// stdout + stderr and the exit status of a kda command
+std::pair<int, std::string> run_capture(const std::string& args) {
+  const fs::path out = fs::temp_directory_path() / ("kda_cli_train_" + std::to_string(::getpid()));
+  const int status =
+      std::system((std::string(KDA_BINARY) + " " + args + " >'" + out.string() + "' 2>&1").c_str());
+  std::ifstream in(out);
+  std::stringstream text;
+  text << in.rdbuf();
+  fs::remove(out);
+  return {WEXITSTATUS(status), text.str()};
+}
+
+}  // namespace
+
+// Without a GPU (or without CUDA in the build), --device cuda fails with a message, never a
+// crash; a device name that does not exist is refused by name.
+TEST(CliTrain, DeviceCudaWithoutAGpuFailsCleanly) {
+  const fs::path dir = fs::temp_directory_path() / "kda_train_cuda";
+  fs::remove_all(dir);
+  const auto [code, out] =
+      run_capture("train --out " + dir.string() + " --steps 2 --device cuda" + kArgs);
+  fs::remove_all(dir);
+  if (code == 0) GTEST_SKIP() << "a GPU is present: " << out;
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_TRUE(out.find("cuda") != std::string::npos || out.find("CUDA") != std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("internal error"), std::string::npos) << out;
+  const auto [code2, out2] =
+      run_capture("train --out " + dir.string() + " --steps 2 --device tpu" + kArgs);
+  fs::remove_all(dir);
+  EXPECT_EQ(code2, 1) << out2;
+  EXPECT_NE(out2.find("device 'tpu' is not in this build"), std::string::npos) << out2;
+}

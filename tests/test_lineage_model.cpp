@@ -6,6 +6,7 @@
 #include <cmath>
 #include <set>
 
+#include "core/error.h"
 #include "core/random.h"
 #include "train/adamw.h"
 #include "train/lineage_model.h"
@@ -19,13 +20,24 @@ using train::LineageModel;
 
 // d loss / d theta along u = grad / |grad|, per parameter tensor, by central differences.
 TEST(LineageModel, EveryParameterGradientMatchesDirectionalFiniteDifferences) {
-  for (const char* pattern : {"AK", "LD", "GK", "KKKA", "AA", "KM"}) {
+  const std::vector<std::pair<const char*, const char*>> cases = {
+      {"AK", "softplus"}, {"LD", "softplus"}, {"GK", "softplus"}, {"KKKA", "softplus"},
+      {"AA", "softplus"}, {"KM", "softplus"}, {"KA", "bounded"}};
+  for (const auto& [pattern, gate] : cases) {
     LineageConfig config{32, 16, 2, 8, 24, pattern};
+    config.kda_gate = gate;
     LineageModel model(config, 11);
     // larger weights than the training init: bigger gradients, far above fp32 loss noise
     for (train::Param* p : model.params())
-      if (p->decay)
+      if (p->decay) {
         for (float& w : p->value.span_f32()) w *= 5.0f;
+      } else if (std::string(gate) == "bounded" && (p->name.find("dt_bias") != std::string::npos ||
+                                                    p->name.find("A_log") != std::string::npos)) {
+        // the init (dt_bias ~-5, exp(A_log) up to 16) saturates the bounded gate's sigmoid:
+        // gradients of ~1e-6, below what fp32 finite differences resolve, or a sigmoid so steep
+        // that the steps see its curvature; move it to where the gate is alive and smooth
+        for (float& w : p->value.span_f32()) w = 0.0f;
+      }
     Random rng(12);
     const int64_t B = 2, T = 9;
     std::vector<int32_t> in(B * T), tg(B * T);
@@ -91,6 +103,45 @@ TEST(LineageModel, KdaDecayStartsSharedWithinEachHead) {
   }
   EXPECT_EQ(kda_seen, 1);
   EXPECT_EQ(gdn_seen, 1);
+}
+
+// The bounded gate (fla's safe gate) is what the KDA layers compute when the config asks for it;
+// unknown gate names are refused.
+TEST(LineageModel, KdaGateOptionChangesTheLayerAndIsValidated) {
+  Random rng(31);
+  const int64_t B = 2, T = 7;
+  std::vector<int32_t> in(B * T), tg(B * T);
+  for (auto& x : in) x = int32_t(rng.integer(0, 31));
+  for (auto& x : tg) x = int32_t(rng.integer(0, 31));
+  LineageConfig soft{32, 16, 2, 8, 24, "KK"};
+  LineageConfig bounded = soft;
+  bounded.kda_gate = "bounded";
+  LineageModel a(soft, 5), b(bounded, 5);
+  const double la = a.forward_backward(in.data(), tg.data(), B, T, false).loss;
+  const double lb = b.forward_backward(in.data(), tg.data(), B, T, false).loss;
+  EXPECT_TRUE(std::isfinite(la) && std::isfinite(lb));
+  EXPECT_NE(la, lb);  // same weights (same seed), different gate
+  // the bounded gate starts at the softplus gate's decay rates (same seed: same A_log and dt)
+  double worst = 0;
+  for (size_t i = 0; i < a.params().size(); ++i) {
+    const train::Param* pa = a.params()[i];
+    if (pa->name.find("dt_bias") == std::string::npos) continue;
+    const train::Param* pb = b.params()[i];
+    const train::Param* A_soft = a.params()[i - 1];
+    const train::Param* A_bounded = b.params()[i - 1];
+    ASSERT_NE(A_soft->name.find("A_log"), std::string::npos);
+    for (int64_t c = 0; c < pa->value.numel(); ++c) {
+      const double alpha = std::exp(double(A_soft->value.f32()[c / 8]));
+      const double g_soft = -alpha * std::log1p(std::exp(double(pa->value.f32()[c])));
+      EXPECT_EQ(A_bounded->value.f32()[c / 8], 0.0f);  // exp(A_log) = 1 inside the sigmoid
+      const double g_bounded = -5.0 / (1.0 + std::exp(-double(pb->value.f32()[c])));
+      worst = std::max(worst, std::abs(g_bounded - std::max(g_soft, -4.5)) / std::abs(g_soft));
+    }
+  }
+  EXPECT_LT(worst, 1e-4);
+  LineageConfig bad = soft;
+  bad.kda_gate = "sigmoid";
+  EXPECT_THROW(bad.validate(), Error);
 }
 
 TEST(LineageModel, AdamWFitsAFixedBatch) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <map>
 #include <mutex>
@@ -38,7 +39,9 @@ void print_usage() {
   std::puts(
       "usage: kda bench recall [--quick] [--steps N] [--lengths 256,512,1024,2048]\n"
       "                        [--mixers softmax,kda,...] [--tasks mqar,palindrome,stack]\n"
-      "                        [--lrs 5e-4,1e-3,3e-3] [--jobs N] [--out DIR]\n"
+      "                        [--lrs 5e-4,1e-3,3e-3] [--jobs N] [--out DIR] [--batch 32]\n"
+      "                        [--device cpu|cuda] [--kda-gate softplus|bounded] [--vocab V]\n"
+      "                        [--gate-dt-max 0.1]\n"
       "\n"
       "Trains 2-layer models (2 heads, equal width across mixers) of each kind: softmax, linear,\n"
       "delta, gated_delta, kda and the kda+softmax hybrid, on MQAR (length/8 key-value pairs),\n"
@@ -47,7 +50,10 @@ void print_usage() {
       "--quick: heads of 32, vocab 128, lengths 64 and 128, lr 3e-3, 300 steps: a smoke run\n"
       "for two CPU cores (minutes, not a result: MQAR needs far more steps). --jobs N trains N\n"
       "cells at once, one thread each. Writes DIR/recall.md, recall.json (a list of {mixer,\n"
-      "task, seq_len, accuracy, lr}) and recall.svg (default out/recall).");
+      "task, seq_len, accuracy, lr}) and recall.svg (default out/recall).\n"
+      "--device cuda trains every cell on the GPU (softmax, delta, gated_delta, kda and the\n"
+      "hybrid; linear attention trains on the CPU only); --jobs N then runs N cells at once on\n"
+      "the one GPU, each on its own stream.");
 }
 
 std::vector<std::string> split(const std::string& text) {
@@ -119,7 +125,9 @@ int cmd_bench_recall(const Args& args) {
   std::vector<MixerEntry> mixers = kMixers;
   std::string out_dir = "out/recall";
   std::vector<float> lrs;
-  int64_t jobs = 1;
+  int64_t jobs = 1, batch = 0, vocab_option = 0;
+  std::string device = "cpu", kda_gate = "softplus";
+  float gate_dt_max = 0.1f;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
@@ -141,6 +149,16 @@ int cmd_bench_recall(const Args& args) {
       out_dir = value;
     else if (a == "--jobs")
       jobs = parse_int(value, a);
+    else if (a == "--batch")
+      batch = parse_int(value, a);
+    else if (a == "--device")
+      device = value;
+    else if (a == "--kda-gate")
+      kda_gate = value;
+    else if (a == "--vocab")
+      vocab_option = parse_int(value, a);
+    else if (a == "--gate-dt-max")
+      gate_dt_max = std::stof(value);
     else if (a == "--lrs") {
       for (const std::string& item : split(value)) {
         try {
@@ -166,7 +184,9 @@ int cmd_bench_recall(const Args& args) {
   if (steps == 0) steps = quick ? 300 : 4000;
   if (lrs.empty())
     lrs = quick ? std::vector<float>{3e-3f} : std::vector<float>{5e-4f, 1e-3f, 3e-3f};
-  const int64_t head_dim = quick ? 32 : 128, vocab = quick ? 128 : 8192;
+  const int64_t head_dim = quick ? 32 : 128, vocab = vocab_option > 0 ? vocab_option
+                                                     : quick          ? 128
+                                                                      : 8192;
   for (const std::string& t : task_names) train::parse_task(t);
 
   std::printf(
@@ -191,19 +211,30 @@ int cmd_bench_recall(const Args& args) {
   Stopwatch total;
   std::atomic<size_t> next{0};
   std::mutex print_mutex;
+  std::exception_ptr failure;
   auto worker = [&](bool single_threaded) {
     if (single_threaded) omp_set_num_threads(1);
     for (size_t i = next++; i < cells.size(); i = next++) {
       Cell& c = cells[i];
       train::RecallRun run;
       run.model = {vocab, 2 * head_dim, 2, head_dim, 4 * head_dim, c.mixer.pattern};
+      run.model.kda_gate = kda_gate;
+      run.model.gate_dt_max = gate_dt_max;
+      run.device = device;
       run.task = {train::parse_task(c.task), vocab, c.T, 0};
       run.lr = c.lr;
       run.steps = steps;
-      run.batch = quick ? 16 : 32;
+      run.batch = batch > 0 ? batch : quick ? 16 : 32;
       run.test_examples = quick ? 128 : 512;
       run.seed = 17;
-      c.result = train::run_recall(run);
+      try {
+        c.result = train::run_recall(run);
+      } catch (...) {  // stop every worker; the first error is rethrown after the join
+        std::lock_guard<std::mutex> lock(print_mutex);
+        if (!failure) failure = std::current_exception();
+        next = cells.size();
+        return;
+      }
       std::lock_guard<std::mutex> lock(print_mutex);
       std::fprintf(stderr, "  %-11s %-10s T=%-5lld lr %.0e acc %5.1f%% loss %.3f  [%.0f s]\n",
                    c.mixer.name.c_str(), c.task.c_str(), (long long)c.T, c.lr,
@@ -217,6 +248,7 @@ int cmd_bench_recall(const Args& args) {
     for (int64_t j = 0; j < jobs; ++j) threads.emplace_back(worker, true);
     for (std::thread& t : threads) t.join();
   }
+  if (failure) std::rethrow_exception(failure);
   std::map<std::string, double> best;
   nlohmann::json results = nlohmann::json::array();
   for (const std::string& task : task_names)

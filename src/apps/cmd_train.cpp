@@ -47,9 +47,10 @@ void print_usage() {
       "1.0]\n"
       "                 [--save-every N] [--seed S] [--stop-after N]\n"
       "                 [--text PATH --tokenizer TOK [--val-every 10] [--split-paragraphs]]\n"
-      "                 [--eval-every N] [--eval-examples N]\n"
+      "                 [--eval-every N] [--eval-examples N] [--device cpu|cuda]\n"
+      "                 [--kda-gate softplus|bounded] [--gate-dt-max 0.1]\n"
       "       kda train --model CONFIG.json|MODEL_DIR --out DIR [the options above]\n"
-      "       kda train --resume DIR [--stop-after N]\n"
+      "       kda train --resume DIR [--stop-after N] [--device cpu|cuda]\n"
       "\n"
       "Pattern letters, one per layer: A softmax attention, L linear attention, D DeltaNet,\n"
       "G Gated DeltaNet, K KDA, M NoPE MLA (KKKA, KKKM: 3:1 hybrids). AdamW with fp32 master\n"
@@ -58,6 +59,11 @@ void print_usage() {
       "DIR holds config.json, model.safetensors, optimizer.safetensors, trainer_state.json,\n"
       "log.jsonl and loss.svg; Ctrl-C saves a checkpoint before exiting; --resume continues\n"
       "bit for bit. --stop-after N stops (and saves) after N more steps.\n"
+      "--device cuda trains a lineage model (A, D, G, K layers) on the GPU: bf16 compute, fp32\n"
+      "master weights and AdamW moments on the device; the checkpoint files are the same, so a\n"
+      "run may resume on the other device. --kda-gate bounded: KDA's gate -5 sigmoid(...) (fla's\n"
+      "safe gate) instead of -exp(A_log) softplus(...); the GPU kernel needs it when gates get\n"
+      "strong (no channel may decay by more than e^-80 over 16 tokens).\n"
       "\n"
       "--model trains a Hugging Face architecture instead of a lineage model: a kimi_linear or\n"
       "gpt2 config.json (fresh weights), or a model folder (its weights are the start). DIR is\n"
@@ -81,6 +87,7 @@ int cmd_train(const Args& args) {
   s.task = {train::Task::mqar, 8192, 256, 0};
   std::string out_dir, resume_dir;
   int64_t stop_after = 0;
+  std::string device;  // empty: the CPU for a new run, the checkpoint's device for --resume
   bool vocab_set = false, warmup_set = false;
   std::string text_path, tokenizer_path, model_path;
   for (size_t i = 0; i < args.size(); ++i) {
@@ -157,6 +164,12 @@ int cmd_train(const Args& args) {
       s.seed = uint64_t(parse_int(v, a));
     else if (a == "--stop-after")
       stop_after = parse_int(v, a);
+    else if (a == "--device")
+      device = v;
+    else if (a == "--kda-gate")
+      s.model.kda_gate = v;
+    else if (a == "--gate-dt-max")
+      s.model.gate_dt_max = float(real(v));
     else
       throw Error("train: unknown option '" + a + "' (see kda train --help)");
   }
@@ -179,9 +192,10 @@ int cmd_train(const Args& args) {
   if (!warmup_set)
     s.optimizer.warmup_steps = std::max<int64_t>(1, std::min<int64_t>(100, s.steps / 10));
   require(out_dir.empty() != resume_dir.empty(), "train: give exactly one of --out and --resume");
+  if (!device.empty()) s.device = device;
   std::unique_ptr<train::Trainer> trainer = resume_dir.empty()
                                                 ? std::make_unique<train::Trainer>(s, out_dir)
-                                                : train::Trainer::resume(resume_dir);
+                                                : train::Trainer::resume(resume_dir, device);
   const train::TrainSettings& run = trainer->settings();
   const std::string dir = resume_dir.empty() ? out_dir : resume_dir;
   std::string data = "task " + train::task_name(run.task.task);

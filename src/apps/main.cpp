@@ -9,6 +9,9 @@
 #include "apps/commands.h"
 #include "core/blas.h"
 #include "core/error.h"
+#ifdef KDA_HAVE_CUDA
+#include "train/cuda/cuda_training.h"
+#endif
 
 namespace {
 
@@ -46,6 +49,9 @@ int main(int argc, char** argv) {
   }
   const std::string command = argv[1];
   const kda::apps::Args args(argv + 2, argv + argc);
+#ifdef KDA_HAVE_CUDA
+  kda::train::cuda::register_cuda_training();  // `--device cuda` for kda train / bench recall
+#endif
   try {
     if (command == "verify") return kda::apps::cmd_verify(args);
     if (command == "lineage") return kda::apps::cmd_lineage(args);

@@ -17,8 +17,7 @@ AdamW::AdamW(std::vector<Param*> params, const AdamWConfig& config)
   }
 }
 
-float AdamW::lr_at(int64_t step) const {
-  const AdamWConfig& c = config_;
+float scheduled_lr(const AdamWConfig& c, int64_t step) {
   if (step < c.warmup_steps) return c.lr * float(step + 1) / float(c.warmup_steps);
   const double span = std::max<int64_t>(1, c.total_steps - c.warmup_steps);
   const double progress = std::min(1.0, double(step - c.warmup_steps) / span);

@@ -53,6 +53,16 @@ void LineageConfig::validate() const {
           "lineage model: sizes must be positive");
   require(!pattern.empty(), "lineage model: the layer pattern is empty");
   for (char c : pattern) mixer_from_letter(c);
+  require(gate_dt_max > 0 && gate_dt_max <= 1, "lineage model: gate_dt_max must be in (0, 1]");
+  require(kda_gate == "softplus" || kda_gate == "bounded",
+          "lineage model: kda_gate must be softplus or bounded, not '" + kda_gate + "'");
+}
+
+ops::KdaOptions LineageConfig::kda_options() const {
+  ops::KdaOptions o;
+  o.gate = kda_gate == "bounded" ? ops::KdaGate::lower_bound : ops::KdaGate::softplus;
+  o.lower_bound = kKdaLowerBound;
+  return o;
 }
 
 struct LineageModel::Block {
@@ -145,13 +155,26 @@ LineageModel::LineageModel(const LineageConfig& config, uint64_t seed) : config_
         // KDA from learning MQAR (13.6 % vs 98.8 % at 2000 steps, docs/RECALL.md).
         const int64_t per_head = gw / H;
         for (int64_t h = 0; h < H; ++h) {
-          const float dt = std::exp(rng.uniform(std::log(1e-3f), std::log(1e-1f)));
-          const float b = dt + std::log(-std::expm1(-dt));
+          const float dt = std::exp(
+              rng.uniform(std::log(config.gate_dt_max / 100.0f), std::log(config.gate_dt_max)));
+          float b = dt + std::log(-std::expm1(-dt));
+          if (kind == MixerKind::kda && config.kda_gate == "bounded") {
+            // The bounded gate lower_bound sigmoid(exp(A_log) (graw + dt_bias)) multiplies the
+            // random projection's noise (graw ~ 0.3 at init) by exp(A_log): at fla's 1..16 the
+            // gate swings between no decay and the bound token by token and KDA learned nothing
+            // (MQAR, docs/RECALL.md). So A_log starts at 0 and dt_bias gives the softplus
+            // gate's starting decay a dt: sigmoid(b) = a dt / |lower_bound|, capped at 90 %.
+            const float a = std::exp(w.A_log->value.f32()[h]);
+            const float p = std::min(0.9f, a * dt / float(-LineageConfig::kKdaLowerBound));
+            b = std::log(p / (1.0f - p));
+            w.A_log->value.f32()[h] = 0.0f;
+          }
           std::fill_n(w.dt_bias->value.f32() + h * per_head, per_head, b);
         }
       }
       const bool all_softmax = config.pattern.find_first_not_of('A') == std::string::npos;
       block->mixer = std::make_unique<MixerLayer>(kind, d, H, dh, w, all_softmax);
+      block->mixer->set_kda_options(config.kda_options());
     }
     block->norm2 = add(pre + "norm2", {d}, false);
     ones(block->norm2);

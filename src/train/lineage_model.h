@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "ops/kda/kda.h"
 #include "train/trainable_model.h"
 
 namespace kda::train {
@@ -31,6 +32,16 @@ struct LineageConfig {
   int64_t mlp_hidden = 512;
   std::string pattern = "KK";  // one letter per layer
   float norm_eps = 1e-5f;
+  // KDA's forget gate: "softplus" (Kimi Linear's -exp(A_log) softplus(g + dt_bias)) or "bounded"
+  // (-5 sigmoid(exp(A_log) (g + dt_bias)), fla's safe gate: a channel never decays faster than
+  // e^-5 a token, which the GPU's chunked kernel needs over long runs of strong forgetting).
+  std::string kda_gate = "softplus";
+  // The gated mixers' (G, K) initial decay: Mamba's dt drawn log-uniformly in
+  // [gate_dt_max / 100, gate_dt_max] per head (fla: 0.1, so up to e^-1.6 a token with
+  // exp(A_log) = 16). Smaller values start the gates near DeltaNet (little forgetting).
+  float gate_dt_max = 0.1f;
+  static constexpr double kKdaLowerBound = -5.0;
+  ops::KdaOptions kda_options() const;
   void validate() const;
 };
 

@@ -143,7 +143,7 @@ void MixerLayer::forward(const float* x, int64_t B, int64_t T, float* y,
     }
     case MixerKind::kda: {
       ops::kda_chunk_forward({{OB, OT, H_, H_, dh_, dh_, ops::Gate::channel, 0},
-                              {},
+                              kda_options_,
                               q_.data(),
                               k_.data(),
                               v_.data(),
@@ -230,7 +230,7 @@ void MixerLayer::backward(const float* dy, float* dx) {
       dgraw.resize(rows * inner);
       std::vector<float> dA(H_), ddt(inner);
       ops::kda_chunk_backward({{OB, OT, H_, H_, dh_, dh_, ops::Gate::channel, 0},
-                               {},
+                               kda_options_,
                                q_.data(),
                                k_.data(),
                                v_.data(),

@@ -30,6 +30,8 @@ class MixerLayer {
   MixerLayer(MixerKind kind, int64_t width, int64_t heads, int64_t head_dim, MixerWeights w,
              bool rope = false)
       : kind_(kind), d_(width), H_(heads), dh_(head_dim), rope_(rope), w_(w) {}
+  // The KDA op's options (KDA layers only; l2 normalisation on, the gate of the config).
+  void set_kda_options(const ops::KdaOptions& options) { kda_options_ = options; }
   // x [B * T, d] -> y [B * T, d]; keeps activations for backward. With cu_seqlens (offsets
   // into the B * T flattened tokens, starting at 0 and ending at B * T), the tokens are one
   // packed batch: recurrent state starts from zero, attention does not look back, and RoPE
@@ -44,6 +46,7 @@ class MixerLayer {
   int64_t d_, H_, dh_, B_ = 0, T_ = 0;
   bool rope_ = false;
   MixerWeights w_;
+  ops::KdaOptions kda_options_;
   std::vector<int64_t> cu_seqlens_, positions_;  // packed layout (empty: B rows) and RoPE
   std::vector<float> x_, q_, k_, v_, braw_, graw_, o_, lse_;
   // delta / gated delta: activated inputs

@@ -1,5 +1,7 @@
 #include "train/model_factory.h"
 
+#include <map>
+
 #include "core/error.h"
 #include "model/kimi_linear_config.h"
 #include "model/model_folder.h"
@@ -14,13 +16,41 @@ json lineage_config_json(const LineageConfig& c) {
   return {{"model_type", "kda_lineage"}, {"vocab_size", c.vocab},
           {"hidden_size", c.width},      {"num_heads", c.heads},
           {"head_dim", c.head_dim},      {"intermediate_size", c.mlp_hidden},
-          {"layer_pattern", c.pattern},  {"rms_norm_eps", c.norm_eps}};
+          {"layer_pattern", c.pattern},  {"rms_norm_eps", c.norm_eps},
+          {"kda_gate", c.kda_gate},      {"gate_init_dt_max", c.gate_dt_max}};
 }
 
 LineageConfig lineage_config_from_json(const json& j) {
   require(j.at("model_type") == "kda_lineage", "model_type is not kda_lineage");
-  return {j.at("vocab_size"),        j.at("hidden_size"),   j.at("num_heads"),   j.at("head_dim"),
-          j.at("intermediate_size"), j.at("layer_pattern"), j.at("rms_norm_eps")};
+  LineageConfig c{j.at("vocab_size"),  j.at("hidden_size"),       j.at("num_heads"),
+                  j.at("head_dim"),    j.at("intermediate_size"), j.at("layer_pattern"),
+                  j.at("rms_norm_eps")};
+  c.kda_gate = j.value("kda_gate", std::string("softplus"));  // both absent in older checkpoints
+  c.gate_dt_max = j.value("gate_init_dt_max", 0.1f);
+  return c;
+}
+
+namespace {
+
+std::map<std::string, DeviceTrainableFactory>& training_devices() {
+  static std::map<std::string, DeviceTrainableFactory> devices;
+  return devices;
+}
+
+}  // namespace
+
+void register_training_device(const std::string& device, DeviceTrainableFactory factory) {
+  training_devices()[device] = std::move(factory);
+}
+
+std::unique_ptr<TrainableModel> move_to_device(const std::string& device, const json& config,
+                                               std::unique_ptr<TrainableModel> host) {
+  if (device == "cpu") return host;
+  const auto it = training_devices().find(device);
+  require(it != training_devices().end(),
+          "train: device '" + device + "' is not in this build (cpu" +
+              (training_devices().empty() ? std::string(")") : std::string(", cuda)")));
+  return it->second(config, std::move(host));
 }
 
 namespace {

@@ -2,6 +2,7 @@
 // ("kimi_linear") and GPT-2 ("gpt2"), from a config (fresh weights) or a Hugging Face folder.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -20,6 +21,17 @@ std::unique_ptr<TrainableModel> new_trainable(const nlohmann::json& config, uint
 // The weights of a model folder (kimi_linear or gpt2).
 std::unique_ptr<TrainableModel> load_trainable(const std::string& dir);
 int64_t config_vocab(const nlohmann::json& config);
+
+// Training on another device ("cuda"): a factory takes the host model (fresh or loaded; its
+// params() become the device model's host mirrors) and returns the model that runs there. The
+// device's library registers it (train/cuda/cuda_training.h); the CPU build knows none.
+using DeviceTrainableFactory = std::function<std::unique_ptr<TrainableModel>(
+    const nlohmann::json& config, std::unique_ptr<TrainableModel> host)>;
+void register_training_device(const std::string& device, DeviceTrainableFactory factory);
+// `host` itself for "cpu"; throws kda::Error for a device this build does not have.
+std::unique_ptr<TrainableModel> move_to_device(const std::string& device,
+                                               const nlohmann::json& config,
+                                               std::unique_ptr<TrainableModel> host);
 // One line: "kimi_linear: 4 layers (3 KDA + 1 MLA), hidden 256" or "lineage KKKA, width 256".
 std::string describe_architecture(const nlohmann::json& config);
 

@@ -4,12 +4,16 @@
 #include <cmath>
 
 #include "core/timer.h"
+#include "train/model_factory.h"
 
 namespace kda::train {
 
 RecallResult run_recall(const RecallRun& run) {
   Stopwatch clock;
-  LineageModel model(run.model, run.seed * 7919 + 1);
+  std::unique_ptr<TrainableModel> model_ptr =
+      move_to_device(run.device, lineage_config_json(run.model),
+                     std::make_unique<LineageModel>(run.model, run.seed * 7919 + 1));
+  TrainableModel& model = *model_ptr;
   const TestSet test = make_test_set(run.task, run.seed, run.test_examples);
   TaskStream stream(run.task, run.seed, 0);
   stream.forbid(test.hashes);
@@ -17,7 +21,7 @@ RecallResult run_recall(const RecallRun& run) {
   opt_config.lr = run.lr;
   opt_config.total_steps = run.steps;
   opt_config.warmup_steps = std::max<int64_t>(1, run.steps / 10);
-  AdamW opt(model.params(), opt_config);
+  const std::unique_ptr<Optimizer> opt = model.make_optimizer(opt_config);
   RecallResult result;
   result.params = model.num_params();
   double tail_loss = 0;
@@ -27,7 +31,7 @@ RecallResult run_recall(const RecallRun& run) {
     model.zero_grad();
     const auto r = model.forward_backward(b.inputs.data(), b.targets.data(), b.B, b.T, true);
     if (!std::isfinite(r.loss)) break;  // diverged: evaluate what we have
-    opt.step();
+    opt->step();
     if (step >= run.steps - std::max<int64_t>(1, run.steps / 10)) {
       tail_loss += r.loss;
       ++tail;

@@ -18,6 +18,7 @@ struct RecallRun {
   int64_t batch = 32;
   int64_t test_examples = 256;
   uint64_t seed = 0;
+  std::string device = "cpu";  // or "cuda" (train/model_factory.h's move_to_device)
 };
 
 struct RecallResult {

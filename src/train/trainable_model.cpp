@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "train/adamw.h"
 
 namespace kda::train {
 
@@ -15,6 +16,15 @@ int64_t TrainableModel::num_params() {
 void TrainableModel::zero_grad() {
   for (Param* p : params())
     for (float& g : p->grad.span_f32()) g = 0.0f;
+}
+
+void TrainableModel::scale_grads(float s) {
+  for (Param* p : params())
+    for (float& g : p->grad.span_f32()) g *= s;
+}
+
+std::unique_ptr<Optimizer> TrainableModel::make_optimizer(const AdamWConfig& config) {
+  return std::make_unique<AdamW>(params(), config);
 }
 
 std::vector<int64_t> document_segments(std::span<const int64_t> cu_seqlens, int64_t B, int64_t T,

@@ -3,6 +3,7 @@
 // Hugging Face architectures (gpt2, kimi_linear; train/hf_*.h) implement it.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <span>
 #include <string>
@@ -23,6 +24,9 @@ struct StepResult {
   int64_t scored = 0, correct = 0;
 };
 
+struct AdamWConfig;
+class Optimizer;
+
 class TrainableModel {
  public:
   virtual ~TrainableModel() = default;
@@ -37,9 +41,19 @@ class TrainableModel {
   virtual StepResult forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B,
                                       int64_t T, bool backward,
                                       std::span<const int64_t> cu_seqlens = {}) = 0;
-  void zero_grad();
+  virtual void zero_grad();
+  // Every gradient *= s (the mean over accumulated micro-batches).
+  virtual void scale_grads(float s);
   // Called after each optimizer step (MoE models nudge their expert-selection bias here).
   virtual void after_optimizer_step() {}
+  // The optimizer that updates this model's weights where they live (host AdamW over params()
+  // here; a GPU model keeps its moments on the device).
+  virtual std::unique_ptr<Optimizer> make_optimizer(const AdamWConfig& config);
+  // A model whose weights live on a device keeps params() as host mirrors: pull_values copies the
+  // device's weights into every Param::value (before a checkpoint is written), push_values copies
+  // Param::value to the device (after one is read). Host models have nothing to do.
+  virtual void pull_values() {}
+  virtual void push_values() {}
 };
 
 // The document boundaries of a [B, T] batch: cu_seqlens itself after checking the rules above

@@ -32,6 +32,7 @@ json settings_to_json(const TrainSettings& s) {
                    {"eval_examples", s.eval_examples},
                    {"eval_every", s.eval_every},
                    {"seed", s.seed},
+                   {"device", s.device},
                    {"lr", s.optimizer.lr},
                    {"warmup_steps", s.optimizer.warmup_steps},
                    {"weight_decay", s.optimizer.weight_decay},
@@ -76,6 +77,7 @@ TrainSettings settings_from_json(const json& j, const std::string& where) {
     s.eval_examples = t.at("eval_examples");
     s.eval_every = t.value("eval_every", int64_t(0));  // absent in older checkpoints
     s.seed = t.at("seed");
+    s.device = t.value("device", std::string("cpu"));
     s.optimizer.lr = t.at("lr");
     s.optimizer.warmup_steps = t.at("warmup_steps");
     s.optimizer.weight_decay = t.at("weight_decay");
@@ -170,7 +172,8 @@ void Trainer::start(bool resuming) {
     require(model_->params().size() == new_trainable(arch, init_seed)->params().size(),
             "train: " + settings_.init_from + " does not hold the configured architecture");
   }
-  optimizer_ = std::make_unique<AdamW>(model_->params(), settings_.optimizer);
+  model_ = move_to_device(settings_.device, arch, std::move(model_));
+  optimizer_ = model_->make_optimizer(settings_.optimizer);
   if (!settings_.is_text()) {
     test_ = make_test_set(settings_.task, settings_.seed, settings_.eval_examples);
     stream_ = std::make_unique<TaskStream>(settings_.task, settings_.seed, 0);
@@ -187,12 +190,13 @@ uint64_t Trainer::data_position() const {
   return text_stream_ ? text_stream_->position() : stream_->position();
 }
 
-std::unique_ptr<Trainer> Trainer::resume(const std::string& out_dir) {
+std::unique_ptr<Trainer> Trainer::resume(const std::string& out_dir, const std::string& device) {
   const fs::path dir(out_dir);
   std::unique_ptr<Trainer> t(new Trainer());
   t->dir_ = out_dir;
   t->settings_ =
       settings_from_json(read_json((dir / "config.json").string()), (dir / "config.json").string());
+  if (!device.empty()) t->settings_.device = device;
   t->start(true);
   const json state = read_json((dir / "trainer_state.json").string());
   t->step_ = state.at("step").get<int64_t>();
@@ -208,6 +212,7 @@ std::unique_ptr<Trainer> Trainer::resume(const std::string& out_dir) {
             out_dir + "/model.safetensors: '" + p->name + "' has the wrong shape");
     std::copy(w.f32(), w.f32() + w.numel(), p->value.f32());
   }
+  t->model_->push_values();
   const SafetensorsFile opt = SafetensorsFile::open((dir / "optimizer.safetensors").string());
   std::vector<std::pair<std::string, Tensor>> moments;
   for (const std::string& name : opt.names()) moments.emplace_back(name, opt.load(name));
@@ -227,6 +232,7 @@ std::unique_ptr<Trainer> Trainer::resume(const std::string& out_dir) {
 void Trainer::save() const {
   const fs::path dir(dir_);
   write_file_atomic((dir / "config.json").string(), settings_to_json(settings_).dump(2) + "\n");
+  model_->pull_values();
   std::vector<NamedTensor> weights;
   for (Param* p : model_->params()) weights.push_back({p->name, &p->value});
   write_safetensors((dir / "model.safetensors").string(), weights, {{"format", "pt"}});
@@ -261,9 +267,7 @@ void Trainer::run(int64_t stop_after, const std::atomic<bool>* interrupt,
       }
     }
     if (settings_.grad_accum > 1) {
-      const float inv = 1.0f / float(settings_.grad_accum);
-      for (Param* p : model_->params())
-        for (float& g : p->grad.span_f32()) g *= inv;
+      model_->scale_grads(1.0f / float(settings_.grad_accum));
       loss /= double(settings_.grad_accum);
     }
     StepLog entry;

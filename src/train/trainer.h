@@ -52,6 +52,9 @@ struct TrainSettings {
   int64_t eval_examples = 256;  // test examples; for text: validation rows (0: all)
   int64_t eval_every = 0;       // steps between evaluations during the run (0: none)
   uint64_t seed = 0;
+  // Where the model trains: "cpu", or "cuda" (a lineage model on the GPU, bf16 compute with fp32
+  // master weights; move_to_device in train/model_factory.h). Checkpoints are the same files.
+  std::string device = "cpu";
   bool is_text() const { return !text.path.empty(); }
 };
 
@@ -72,8 +75,9 @@ class Trainer {
  public:
   // A new run writing into out_dir (created; must not hold a checkpoint already).
   Trainer(const TrainSettings& settings, const std::string& out_dir);
-  // Continues the run saved in out_dir.
-  static std::unique_ptr<Trainer> resume(const std::string& out_dir);
+  // Continues the run saved in out_dir (on `device` when given, else where it ran).
+  static std::unique_ptr<Trainer> resume(const std::string& out_dir,
+                                         const std::string& device = "");
   ~Trainer();
 
   // Trains until settings.steps, `stop_after` more steps (0: no limit) or `interrupt` is set;
@@ -102,7 +106,7 @@ class Trainer {
   TrainSettings settings_;
   std::string dir_;
   std::unique_ptr<TrainableModel> model_;
-  std::unique_ptr<AdamW> optimizer_;
+  std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<TaskStream> stream_;
   TestSet test_;
   // text runs

@@ -7,6 +7,9 @@
 // Cases: T = 1, 65, 300, 1000 x (H = 4, GQA 8 / 2) x D = 64, 128; chunked (q_offset) and a cache
 // longer than the queries see (keys no query sees: gradients 0); strided q; Dk != Dv; dims not a
 // multiple of 8 (bf16 falls back to the plain kernels). Bad arguments throw.
+// Batch (AttentionArgs::batch = 3 over packed qkv rows with a gap between sequences; T = 1, 17,
+// 200, Hq = 4, Hkv = 2, D = 64 and 128 (o and lse batch-strided too), GPT-2 T = 256 H = 12):
+// forward o, lse and backward dq, dk, dv bit-identical to one call per sequence.
 // Timings (--bench): bf16 forward (with lse) and backward at T = 2048, 8192 for GPT-2 (H = 12,
 // D = 64) and H = 32, D = 128; backward TFLOP/s counted as 2.5x the forward's FLOPs (FA2's
 // convention; the deterministic split recomputes S and dP in the dq kernel: 3.5x done).
@@ -267,6 +270,143 @@ std::vector<Case> check_cases() {
   return cases;
 }
 
+// ---- Batch: B sequences in one forward and one backward launch (packed qkv rows with a gap
+// between sequences: non-dense q / k / v batch strides; d_o, dq, dk, dv dense [B, ...]) equal B
+// calls of one sequence each, bit for bit (every output and the workspaces poisoned first).
+struct BatchShape {
+  std::string name;
+  int64_t T = 1, Hq = 4, Hkv = 2, D = 64;
+  bool padded_out = false;  // o / lse batch strides past the dense ones (else 0: dense)
+};
+
+// The first n elements of each of `batch` blocks `stride` elements apart, concatenated.
+std::vector<double> download_blocks(const void* p, ElementType type, int64_t batch, int64_t stride,
+                                    int64_t n) {
+  const size_t e = cu::element_bytes(type);
+  std::vector<double> all;
+  for (int64_t b = 0; b < batch; ++b) {
+    const std::vector<double> part =
+        from_device(static_cast<const char*>(p) + size_t(b * stride) * e, size_t(n), type);
+    all.insert(all.end(), part.begin(), part.end());
+  }
+  return all;
+}
+
+// Forward (with lse) then backward outputs of one run.
+struct BatchRun {
+  DeviceBuffer o, lse, dq, dk, dv;
+};
+
+void run_batched_case(const BatchShape& c, ElementType type, Tally& tally) {
+  const int64_t B = 3, T = c.T, D = c.D;
+  const int64_t W = (c.Hq + 2 * c.Hkv) * D;  // a packed qkv row
+  const int64_t seq = T * W + 24;            // elements between sequences (a gap of 24)
+  const size_t e = cu::element_bytes(type);
+  const DeviceArray qkv = to_device(random_values(size_t(B * seq), fresh_seed(), 1.5f), type);
+  const DeviceArray d_o = to_device(random_values(size_t(B * T * c.Hq * D), fresh_seed()), type);
+  const char* base = static_cast<const char*>(qkv.data());
+  const int64_t o_n = T * c.Hq * D, lse_n = T * c.Hq, dq_n = T * c.Hq * D, dkv_n = T * c.Hkv * D;
+  const int64_t o_seq = o_n + (c.padded_out ? 8 : 0), lse_seq = lse_n + (c.padded_out ? 4 : 0);
+
+  cu::AttentionArgs a;
+  a.dtype = type;
+  a.Tq = a.Tk = T;
+  a.Hq = c.Hq;
+  a.Hkv = c.Hkv;
+  a.Dk = a.Dv = D;
+  a.q_row_stride = a.k_row_stride = a.v_row_stride = W;
+  const auto point_at = [&](cu::AttentionArgs& args, int64_t b) {
+    const char* row0 = base + size_t(b * seq) * e;
+    args.q = row0;
+    args.k = row0 + size_t(c.Hq * D) * e;
+    args.v = row0 + size_t((c.Hq + c.Hkv) * D) * e;
+  };
+  const auto make_run = [&] {
+    BatchRun r;
+    r.o.resize(size_t(B * o_seq) * 4);
+    r.lse.resize(size_t(B * lse_seq) * 4);
+    r.dq.resize(size_t(B * dq_n) * e);
+    r.dk.resize(size_t(B * dkv_n) * e);
+    r.dv.resize(size_t(B * dkv_n) * e);
+    for (DeviceBuffer* buf : {&r.o, &r.lse, &r.dq, &r.dk, &r.dv}) poison(buf->data(), buf->bytes());
+    return r;
+  };
+  const auto forward_backward = [&](const cu::AttentionArgs& args, const void* dout, void* dq,
+                                    void* dk, void* dv) {
+    DeviceBuffer fwd_ws(cu::attention_workspace_bytes(args));
+    cu::attention_forward(args, fwd_ws.data(), fwd_ws.bytes(), nullptr);
+    DeviceBuffer bwd_ws(cu::attention_backward_workspace_bytes(args));
+    poison(bwd_ws.data(), bwd_ws.bytes());
+    cu::attention_backward(args, args.lse, dout, dq, dk, dv, bwd_ws.data(), bwd_ws.bytes(),
+                           nullptr);
+  };
+
+  BatchRun batched = make_run();
+  cu::AttentionArgs all = a;
+  point_at(all, 0);
+  all.batch = B;
+  all.q_batch_stride = all.k_batch_stride = all.v_batch_stride = seq;
+  all.o_batch_stride = c.padded_out ? o_seq : 0;
+  all.lse_batch_stride = c.padded_out ? lse_seq : 0;
+  all.o = batched.o.as<float>();
+  all.lse = batched.lse.as<float>();
+  forward_backward(all, d_o.data(), batched.dq.data(), batched.dk.data(), batched.dv.data());
+
+  BatchRun single = make_run();
+  for (int64_t b = 0; b < B; ++b) {
+    cu::AttentionArgs one = a;
+    point_at(one, b);
+    one.o = single.o.as<float>() + b * o_seq;
+    one.lse = single.lse.as<float>() + b * lse_seq;
+    forward_backward(one, static_cast<const char*>(d_o.data()) + size_t(b * o_n) * e,
+                     static_cast<char*>(single.dq.data()) + size_t(b * dq_n) * e,
+                     static_cast<char*>(single.dk.data()) + size_t(b * dkv_n) * e,
+                     static_cast<char*>(single.dv.data()) + size_t(b * dkv_n) * e);
+  }
+  cu::check_cuda(cudaDeviceSynchronize(), "attention_bwd check (batch)");
+
+  const std::string tag = " batch=3 " + c.name + (type == ElementType::f32 ? " f32" : " bf16");
+  const auto same = [&](const std::string& what, const DeviceBuffer& x, const DeviceBuffer& y,
+                        ElementType t, int64_t stride, int64_t n) {
+    report(tally, "attention_bwd " + what + tag + " == one by one",
+           rel_error(download_blocks(x.data(), t, B, stride, n),
+                     download_blocks(y.data(), t, B, stride, n)),
+           0.0);
+  };
+  same("o", batched.o, single.o, ElementType::f32, o_seq, o_n);
+  same("lse", batched.lse, single.lse, ElementType::f32, lse_seq, lse_n);
+  same("dq", batched.dq, single.dq, type, dq_n, dq_n);
+  same("dk", batched.dk, single.dk, type, dkv_n, dkv_n);
+  same("dv", batched.dv, single.dv, type, dkv_n, dkv_n);
+}
+
+// The backward workspace holds per-row lse2 / D_i for every sequence: batch 3 needs 3x.
+void check_batch_workspace(Tally& tally) {
+  cu::AttentionArgs a;
+  a.Tq = a.Tk = 100;
+  a.Hq = 4;
+  a.Hkv = 2;
+  a.Dk = a.Dv = 64;
+  const size_t one = cu::attention_backward_workspace_bytes(a);
+  a.batch = 3;
+  const size_t three = cu::attention_backward_workspace_bytes(a);
+  report(tally, "attention_bwd workspace for batch=3 is 3x batch=1",
+         one > 0 && three == 3 * one ? 0.0 : 1.0, 0.0);
+}
+
+std::vector<BatchShape> batch_shapes() {
+  std::vector<BatchShape> shapes;
+  for (int64_t D : {64, 128})
+    for (int64_t T : {1, 17, 200})
+      shapes.push_back({.name = "T=" + std::to_string(T) + " Hq=4 Hkv=2 D=" + std::to_string(D) +
+                                (D == 128 ? " (o, lse strided)" : ""),
+                        .T = T,
+                        .D = D,
+                        .padded_out = D == 128});
+  shapes.push_back({.name = "GPT-2 T=256 H=12 D=64", .T = 256, .Hq = 12, .Hkv = 12, .D = 64});
+  return shapes;
+}
+
 template <class Fn>
 bool throws(Fn&& fn) {
   try {
@@ -341,6 +481,11 @@ void run_suite(const SuiteOptions& options, Tally& tally) {
       run_case(c, ElementType::bf16, tally);
     }
     check_bad_arguments(tally);
+    for (const BatchShape& c : batch_shapes()) {
+      run_batched_case(c, ElementType::f32, tally);
+      run_batched_case(c, ElementType::bf16, tally);
+    }
+    check_batch_workspace(tally);
   }
   if (options.bench) {
     for (int64_t T : {2048, 8192}) {

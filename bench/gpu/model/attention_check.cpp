@@ -10,6 +10,9 @@
 // Tk_device (the key count read from device memory, Tk only the plan's bound): MLA and GPT-2
 // decode at n = 1, 33, 1000, 8192 of 8192 and Tq = 2 at n = 500, the cache past n and the
 // workspace NaN; one launch captured in a graph and replayed with other n.
+// Batch (AttentionArgs::batch = 3 over packed qkv rows with a gap between sequences; T = 1, 17,
+// 200, Hq = 4, Hkv = 2, D = 64 and 128 (o and lse batch-strided too), GPT-2 T = 256 H = 12):
+// o and lse bit-identical to one call per sequence; batch 2 on the decode paths throws.
 // Timings (--bench): prefill H = 32, Dk = 192, Dv = 128 at T = 4096, 16384 (TFLOP/s); MLA
 // decode (Hq = 32, Hkv = 1, Dk = 576, Dv = 512) at Tk = 4096, 32768, 131072 (cache read GB/s).
 #include <algorithm>
@@ -472,6 +475,127 @@ void check_device_len(Tally& tally) {
   report(tally, "attention rejects Tk_device with Tq = 16", threw ? 0.0 : 1.0, 0.0);
 }
 
+// ---- Batch: B sequences in one launch (packed qkv rows, a gap between sequences: non-dense
+// batch strides) equal B calls of one sequence each, bit for bit (o and lse poisoned first).
+struct BatchShape {
+  std::string name;
+  int64_t T = 1, Hq = 4, Hkv = 2, D = 64;
+  bool padded_out = false;  // o / lse batch strides past the dense ones (else 0: dense)
+};
+
+// Sequence b's first n elements of `stride`-apart float blocks at p, concatenated.
+std::vector<double> download_blocks(const float* p, int64_t batch, int64_t stride, int64_t n) {
+  std::vector<double> all;
+  for (int64_t b = 0; b < batch; ++b) {
+    const std::vector<double> part = from_device(p + b * stride, size_t(n), ElementType::f32);
+    all.insert(all.end(), part.begin(), part.end());
+  }
+  return all;
+}
+
+void run_batched_case(const BatchShape& c, ElementType type, Tally& tally) {
+  const int64_t B = 3;
+  const int64_t W = (c.Hq + 2 * c.Hkv) * c.D;  // a packed qkv row
+  const int64_t seq = c.T * W + 24;            // elements between sequences (a gap of 24)
+  const size_t e = cu::element_bytes(type);
+  const DeviceArray qkv = to_device(random_values(size_t(B * seq), fresh_seed(), 1.5f), type);
+  const char* base = static_cast<const char*>(qkv.data());
+  const int64_t o_n = c.T * c.Hq * c.D, lse_n = c.T * c.Hq;
+  const int64_t o_seq = o_n + (c.padded_out ? 8 : 0), lse_seq = lse_n + (c.padded_out ? 4 : 0);
+
+  cu::AttentionArgs a;
+  a.dtype = type;
+  a.Tq = a.Tk = c.T;
+  a.Hq = c.Hq;
+  a.Hkv = c.Hkv;
+  a.Dk = a.Dv = c.D;
+  a.q_row_stride = a.k_row_stride = a.v_row_stride = W;
+  const auto point_at = [&](cu::AttentionArgs& args, int64_t b) {
+    const char* row0 = base + size_t(b * seq) * e;
+    args.q = row0;
+    args.k = row0 + size_t(c.Hq * c.D) * e;
+    args.v = row0 + size_t((c.Hq + c.Hkv) * c.D) * e;
+  };
+
+  DeviceBuffer o(size_t(B * o_seq) * 4), lse(size_t(B * lse_seq) * 4);
+  poison(o.data(), o.bytes());
+  poison(lse.data(), lse.bytes());
+  cu::AttentionArgs batched = a;
+  point_at(batched, 0);
+  batched.batch = B;
+  batched.q_batch_stride = batched.k_batch_stride = batched.v_batch_stride = seq;
+  batched.o_batch_stride = c.padded_out ? o_seq : 0;
+  batched.lse_batch_stride = c.padded_out ? lse_seq : 0;
+  batched.o = o.as<float>();
+  batched.lse = lse.as<float>();
+  DeviceBuffer workspace(cu::attention_workspace_bytes(batched));
+  cu::attention_forward(batched, workspace.data(), workspace.bytes(), nullptr);
+
+  DeviceBuffer o1(size_t(B * o_seq) * 4), lse1(size_t(B * lse_seq) * 4);
+  poison(o1.data(), o1.bytes());
+  poison(lse1.data(), lse1.bytes());
+  for (int64_t b = 0; b < B; ++b) {
+    cu::AttentionArgs one = a;
+    point_at(one, b);
+    one.o = o1.as<float>() + b * o_seq;
+    one.lse = lse1.as<float>() + b * lse_seq;
+    DeviceBuffer ws(cu::attention_workspace_bytes(one));
+    cu::attention_forward(one, ws.data(), ws.bytes(), nullptr);
+  }
+  cu::check_cuda(cudaDeviceSynchronize(), "attention check (batch)");
+
+  const std::string tag = " batch=3 " + c.name + (type == ElementType::f32 ? " f32" : " bf16");
+  report(tally, "attention o" + tag + " == one by one",
+         rel_error(download_blocks(o.as<float>(), B, o_seq, o_n),
+                   download_blocks(o1.as<float>(), B, o_seq, o_n)),
+         0.0);
+  report(tally, "attention lse" + tag + " == one by one",
+         rel_error(download_blocks(lse.as<float>(), B, lse_seq, lse_n),
+                   download_blocks(lse1.as<float>(), B, lse_seq, lse_n)),
+         0.0);
+}
+
+std::vector<BatchShape> batch_shapes() {
+  std::vector<BatchShape> shapes;
+  for (int64_t D : {64, 128})
+    for (int64_t T : {1, 17, 200})
+      shapes.push_back({.name = "T=" + std::to_string(T) + " Hq=4 Hkv=2 D=" + std::to_string(D) +
+                                (D == 128 ? " (o, lse strided)" : ""),
+                        .T = T,
+                        .D = D,
+                        .padded_out = D == 128});
+  shapes.push_back({.name = "GPT-2 T=256 H=12 D=64", .T = 256, .Hq = 12, .Hkv = 12, .D = 64});
+  return shapes;
+}
+
+// The split decode paths take batch == 1 only: batch 2 there throws before anything runs.
+void check_batch_rejects_decode(Tally& tally) {
+  cu::AttentionArgs a;
+  a.Tq = 1;  // decode-sized, no lse: the split path
+  a.Tk = 64;
+  a.q_offset = 63;
+  a.Dk = a.Dv = 64;
+  a.batch = 2;
+  const char* fake = reinterpret_cast<const char*>(uintptr_t(256));  // never dereferenced
+  a.q = a.k = a.v = fake;
+  a.o = reinterpret_cast<float*>(uintptr_t(256));
+  bool threw = false;
+  try {
+    cu::attention_forward(a, nullptr, 0, nullptr);
+  } catch (const kda::Error&) {
+    threw = true;
+  }
+  report(tally, "attention rejects batch=2 on the split decode path", threw ? 0.0 : 1.0, 0.0);
+  a.Tk_device = reinterpret_cast<const int32_t*>(uintptr_t(16));  // never dereferenced
+  threw = false;
+  try {
+    cu::attention_workspace_bytes(a);
+  } catch (const kda::Error&) {
+    threw = true;
+  }
+  report(tally, "attention rejects batch=2 with Tk_device", threw ? 0.0 : 1.0, 0.0);
+}
+
 double median_ms(const cu::AttentionArgs& args, DeviceBuffer& workspace) {
   return time_ms(
       nullptr, [&] { cu::attention_forward(args, workspace.data(), workspace.bytes(), nullptr); });
@@ -524,6 +648,11 @@ void run_suite(const SuiteOptions& options, Tally& tally) {
     }
     check_bad_arguments(tally);
     check_device_len(tally);
+    for (const BatchShape& c : batch_shapes()) {
+      run_batched_case(c, ElementType::f32, tally);
+      run_batched_case(c, ElementType::bf16, tally);
+    }
+    check_batch_rejects_decode(tally);
   }
   if (options.bench) {
     bench_prefill(4096);

@@ -247,13 +247,16 @@ void Gpt2CudaTrainer::ensure_activations(int64_t B, int64_t T) {
   a->ids = DeviceBuffer(size_t(R) * 4);
   a->targets = DeviceBuffer(size_t(R) * 4);
   a->loss = DeviceBuffer(16);
-  // one sequence's attention: forward (direct path, with lse) and backward workspaces
+  // the batch's attention (one launch per layer): forward (direct path, with lse) and backward
+  // workspaces
   k::AttentionArgs args;
   args.dtype = type_;
   args.Tq = args.Tk = T;
   args.Hq = args.Hkv = H;
   args.Dk = args.Dv = c_.head_dim();
   args.q_row_stride = args.k_row_stride = args.v_row_stride = 3 * E;
+  args.batch = B;
+  args.q_batch_stride = args.k_batch_stride = args.v_batch_stride = T * 3 * E;
   args.lse = a->layers[0].lse.as<float>();
   a->workspace_bytes =
       std::max(k::attention_workspace_bytes(args), k::attention_backward_workspace_bytes(args));
@@ -310,23 +313,26 @@ double Gpt2CudaTrainer::step(const int32_t* ids, const int32_t* targets, int64_t
   for (auto& p : params_)
     k::check_cuda(cudaMemsetAsync(p->grad.data(), 0, p->grad.bytes(), s), "cudaMemsetAsync");
 
-  // One sequence's attention arguments for layer l (q, k, v: column slices of the qkv rows).
-  const auto attention_args = [&](int64_t l, int64_t b) {
+  // The batch's attention arguments for layer l, one launch for all B sequences (q, k, v: column
+  // slices of the qkv rows, sequence b T * 3E elements on; o and lse dense).
+  const auto attention_args = [&](int64_t l) {
     Activations::PerLayer& P = a.layers[size_t(l)];
     k::AttentionArgs args;
     args.dtype = type_;
     args.Tq = args.Tk = T;
     args.Hq = args.Hkv = H;
     args.Dk = args.Dv = Dh;
-    const char* base = at(P.qkvc, b * T * 3 * E, es);
+    const char* base = static_cast<const char*>(P.qkvc.data());
     args.q = base;
     args.k = base + size_t(E) * es;
     args.v = base + size_t(2 * E) * es;
     args.q_row_stride = args.k_row_stride = args.v_row_stride = 3 * E;
+    args.batch = B;
+    args.q_batch_stride = args.k_batch_stride = args.v_batch_stride = T * 3 * E;
     args.q_offset = 0;
     args.scale = float(c_.attention_scale(l));
-    args.o = at<float>(P.o32, b * T * E, 4);
-    args.lse = at<float>(P.lse, b * T * H, 4);
+    args.o = P.o32.as<float>();
+    args.lse = P.lse.as<float>();
     return args;
   };
 
@@ -346,8 +352,7 @@ double Gpt2CudaTrainer::step(const int32_t* ids, const int32_t* targets, int64_t
                 {a.qkv32.data(), kF32});
     k::add_bias(a.qkv32.as<float>(), R, 3 * E, W.qkv_b->f(), s);
     k::convert(a.qkv32.data(), kF32, P.qkvc.data(), type_, R * 3 * E, s);
-    for (int64_t b = 0; b < B; ++b)
-      k::attention_forward(attention_args(l, b), a.workspace.data(), a.workspace_bytes, s);
+    k::attention_forward(attention_args(l), a.workspace.data(), a.workspace_bytes, s);
     k::convert(P.o32.data(), kF32, P.oc.data(), type_, R * E, s);
     k::check_cuda(cudaMemcpyAsync(x_mid, x_in, size_t(R * E) * 4, cudaMemcpyDeviceToDevice, s),
                   "cudaMemcpyAsync (residual)");
@@ -396,12 +401,9 @@ double Gpt2CudaTrainer::step(const int32_t* ids, const int32_t* targets, int64_t
                            true, scratch, s);
     // attention (dh: the gradient of x_mid); d_o in the attention's type
     linear_backward(R, E, E, dh, P.oc.data(), *W.out_w, W.out_b, a.do_c.data(), type_);
-    for (int64_t b = 0; b < B; ++b) {
-      const k::AttentionArgs args = attention_args(l, b);
-      k::attention_backward(args, args.lse, at(a.do_c, b * T * E, es), at(a.dq, b * T * E, es),
-                            at(a.dk, b * T * E, es), at(a.dv, b * T * E, es), a.workspace.data(),
-                            a.workspace_bytes, s);
-    }
+    const k::AttentionArgs args = attention_args(l);
+    k::attention_backward(args, args.lse, a.do_c.data(), a.dq.data(), a.dk.data(), a.dv.data(),
+                          a.workspace.data(), a.workspace_bytes, s);
     pack_qkv_gradient(a.dq.data(), a.dk.data(), a.dv.data(), type_, R, E, dbig, s);
     linear_backward(R, E, 3 * E, dbig, P.ln1c.data(), *W.qkv_w, W.qkv_b, dln, kF32);
     k::layer_norm_backward(x_in, dln, R, E, W.ln1_w->f(), eps, dh, W.ln1_w->g(), W.ln1_b->g(), true,

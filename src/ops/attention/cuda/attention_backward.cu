@@ -48,6 +48,14 @@ void validate_sizes(const AttentionArgs& a) {
         "k_row_stride must be 0 or >= Hkv * Dk");
   check(a.v_row_stride == 0 || a.v_row_stride >= a.Hkv * a.Dv,
         "v_row_stride must be 0 or >= Hkv * Dv");
+  check(a.batch >= 1 && a.batch <= 65535, "batch must be in [1, 65535] (got " + str(a.batch) + ")");
+  check(a.q_batch_stride >= 0 && a.k_batch_stride >= 0 && a.v_batch_stride >= 0 &&
+            a.o_batch_stride >= 0 && a.lse_batch_stride >= 0,
+        "batch strides must be >= 0");
+  check(a.batch == 1 || a.o_batch_stride == 0 || a.o_batch_stride >= a.Tq * a.Hq * a.Dv,
+        "o_batch_stride must be 0 or >= Tq * Hq * Dv");
+  check(a.batch == 1 || a.lse_batch_stride == 0 || a.lse_batch_stride >= a.Tq * a.Hq,
+        "lse_batch_stride must be 0 or >= Tq * Hq");
 }
 
 int64_t padded_rows(const AttentionArgs& a) {
@@ -55,7 +63,7 @@ int64_t padded_rows(const AttentionArgs& a) {
 }
 
 size_t workspace_floats(const AttentionArgs& a) {
-  return 2 * size_t(a.Hq) * size_t(padded_rows(a));
+  return 2 * size_t(a.batch) * size_t(a.Hq) * size_t(padded_rows(a));
 }
 
 }  // namespace
@@ -91,10 +99,16 @@ void attention_backward(const AttentionArgs& args, const float* lse, const void*
   p.dv = dv;
   p.Tq_pad = padded_rows(args);
   p.lse2 = static_cast<float*>(workspace);
-  p.delta = p.lse2 + size_t(args.Hq) * size_t(p.Tq_pad);
+  p.delta = p.lse2 + size_t(args.batch) * size_t(args.Hq) * size_t(p.Tq_pad);
   p.q_stride = args.q_row_stride ? args.q_row_stride : args.Hq * args.Dk;
   p.k_stride = args.k_row_stride ? args.k_row_stride : args.Hkv * args.Dk;
   p.v_stride = args.v_row_stride ? args.v_row_stride : args.Hkv * args.Dv;
+  p.q_bstride = args.q_batch_stride ? args.q_batch_stride : args.Tq * p.q_stride;
+  p.k_bstride = args.k_batch_stride ? args.k_batch_stride : args.Tk * p.k_stride;
+  p.v_bstride = args.v_batch_stride ? args.v_batch_stride : args.Tk * p.v_stride;
+  p.o_bstride = args.o_batch_stride ? args.o_batch_stride : args.Tq * args.Hq * args.Dv;
+  p.lse_bstride = args.lse_batch_stride ? args.lse_batch_stride : args.Tq * args.Hq;
+  p.batch = int(args.batch);
   p.Tq = args.Tq;
   p.Tk = args.Tk;
   p.q_offset = args.q_offset;

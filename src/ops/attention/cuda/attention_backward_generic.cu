@@ -7,7 +7,7 @@
 // dk, dv: one warp per key row (j, kvh) walks the query heads of its group, then the queries that
 // see key j, in a fixed order: dv += p d_o, dk += ds q (times scale). fp32 arithmetic with expf
 // throughout: the f32 path is exact to fp32 rounding; bf16 layouts the tensor-core kernels do not
-// take land here too.
+// take land here too. Every kernel: grid (warp blocks, 1, batch), sequence b = blockIdx.z.
 #include <cuda_bf16.h>
 
 #include <cmath>
@@ -30,26 +30,30 @@ __global__ void __launch_bounds__(32 * kWarps)
     attention_bwd_preprocess_kernel(AttentionBwdParams p) {
   const int lane = threadIdx.x & 31;
   const int64_t wrow = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5);  // h * Tq_pad + t
-  if (wrow >= int64_t(p.Hq) * p.Tq_pad) return;
+  const int64_t wrows = int64_t(p.Hq) * p.Tq_pad;
+  if (wrow >= wrows) return;
+  const int64_t b = blockIdx.z;  // the sequence
+  float* lse2 = p.lse2 + b * wrows;
+  float* delta = p.delta + b * wrows;
   const int h = int(wrow / p.Tq_pad);
   const int64_t t = wrow % p.Tq_pad;
   if (t >= p.Tq) {
     if (lane == 0) {
-      p.lse2[wrow] = INFINITY;
-      p.delta[wrow] = 0.f;
+      lse2[wrow] = INFINITY;
+      delta[wrow] = 0.f;
     }
     return;
   }
   const int64_t row = t * p.Hq + h;
-  const T* dorow = static_cast<const T*>(p.d_o) + row * p.Dv;
-  const float* orow = p.o + row * p.Dv;
+  const T* dorow = static_cast<const T*>(p.d_o) + (b * p.Tq * p.Hq + row) * p.Dv;
+  const float* orow = p.o + b * p.o_bstride + row * p.Dv;
   float sum = 0.f;
   for (int d = lane; d < p.Dv; d += 32) sum = fmaf(to_f32(dorow[d]), orow[d], sum);
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   if (lane == 0) {
-    p.delta[wrow] = sum;
-    p.lse2[wrow] = p.lse[row] * kLog2e;
+    delta[wrow] = sum;
+    lse2[wrow] = p.lse[b * p.lse_bstride + row] * kLog2e;
   }
 }
 
@@ -63,9 +67,11 @@ __global__ void __launch_bounds__(32 * kWarps)
   const int h = int(row % p.Hq);
   const int kvh = h / p.group;
   const int Dk = p.Dk, Dv = p.Dv;
+  const int64_t b = blockIdx.z;                // the sequence
+  const int64_t brow = b * p.Tq * p.Hq + row;  // row of the dense d_o / dq of the batch
 
-  const T* qrow = static_cast<const T*>(p.q) + t * p.q_stride + int64_t(h) * Dk;
-  const T* dorow = static_cast<const T*>(p.d_o) + row * Dv;
+  const T* qrow = static_cast<const T*>(p.q) + b * p.q_bstride + t * p.q_stride + int64_t(h) * Dk;
+  const T* dorow = static_cast<const T*>(p.d_o) + brow * Dv;
   float qv[kQChunks], acc[kQChunks], dov[kVChunks];
 #pragma unroll
   for (int i = 0; i < kQChunks; ++i) {
@@ -78,11 +84,11 @@ __global__ void __launch_bounds__(32 * kWarps)
     const int d = lane + 32 * i;
     dov[i] = d < Dv ? to_f32(dorow[d]) : 0.f;
   }
-  const float lse = p.lse[row];
-  const float delta = p.delta[int64_t(h) * p.Tq_pad + t];
+  const float lse = p.lse[b * p.lse_bstride + row];
+  const float delta = p.delta[(b * p.Hq + h) * p.Tq_pad + t];
 
-  const T* kbase = static_cast<const T*>(p.k) + int64_t(kvh) * Dk;
-  const T* vbase = static_cast<const T*>(p.v) + int64_t(kvh) * Dv;
+  const T* kbase = static_cast<const T*>(p.k) + b * p.k_bstride + int64_t(kvh) * Dk;
+  const T* vbase = static_cast<const T*>(p.v) + b * p.v_bstride + int64_t(kvh) * Dv;
   const int64_t key_end = min(p.q_offset + t + 1, p.Tk);
   for (int64_t j = 0; j < key_end; ++j) {
     const T* krow = kbase + j * p.k_stride;
@@ -110,7 +116,7 @@ __global__ void __launch_bounds__(32 * kWarps)
 #pragma unroll
     for (int i = 0; i < kQChunks; ++i) acc[i] = fmaf(ds, kv[i], acc[i]);
   }
-  T* out = static_cast<T*>(p.dq) + row * Dk;
+  T* out = static_cast<T*>(p.dq) + brow * Dk;
 #pragma unroll
   for (int i = 0; i < kQChunks; ++i) {
     const int d = lane + 32 * i;
@@ -127,9 +133,14 @@ __global__ void __launch_bounds__(32 * kWarps)
   const int64_t j = krow_index / p.Hkv;
   const int kvh = int(krow_index % p.Hkv);
   const int Dk = p.Dk, Dv = p.Dv;
+  const int64_t b = blockIdx.z;  // the sequence
+  const T* qbase = static_cast<const T*>(p.q) + b * p.q_bstride;
+  const T* dobase = static_cast<const T*>(p.d_o) + b * p.Tq * p.Hq * Dv;
+  const float* lse = p.lse + b * p.lse_bstride;
+  const float* delta = p.delta + b * p.Hq * p.Tq_pad;
 
-  const T* krow = static_cast<const T*>(p.k) + j * p.k_stride + int64_t(kvh) * Dk;
-  const T* vrow = static_cast<const T*>(p.v) + j * p.v_stride + int64_t(kvh) * Dv;
+  const T* krow = static_cast<const T*>(p.k) + b * p.k_bstride + j * p.k_stride + int64_t(kvh) * Dk;
+  const T* vrow = static_cast<const T*>(p.v) + b * p.v_bstride + j * p.v_stride + int64_t(kvh) * Dv;
   float kv[kQChunks], dk[kQChunks], vv[kVChunks], dv[kVChunks];
 #pragma unroll
   for (int i = 0; i < kQChunks; ++i) {
@@ -150,8 +161,8 @@ __global__ void __launch_bounds__(32 * kWarps)
     const int h = kvh * p.group + hh;
     for (int64_t t = t_begin; t < p.Tq; ++t) {
       const int64_t row = t * p.Hq + h;
-      const T* qrow = static_cast<const T*>(p.q) + t * p.q_stride + int64_t(h) * Dk;
-      const T* dorow = static_cast<const T*>(p.d_o) + row * Dv;
+      const T* qrow = qbase + t * p.q_stride + int64_t(h) * Dk;
+      const T* dorow = dobase + row * Dv;
       float qv[kQChunks], dov[kVChunks];
       float dot = 0.f, dp = 0.f;
 #pragma unroll
@@ -171,16 +182,17 @@ __global__ void __launch_bounds__(32 * kWarps)
         dot += __shfl_xor_sync(0xffffffffu, dot, offset);
         dp += __shfl_xor_sync(0xffffffffu, dp, offset);
       }
-      const float pj = expf(dot * p.scale - p.lse[row]);
-      const float ds = pj * (dp - p.delta[int64_t(h) * p.Tq_pad + t]);
+      const float pj = expf(dot * p.scale - lse[row]);
+      const float ds = pj * (dp - delta[int64_t(h) * p.Tq_pad + t]);
 #pragma unroll
       for (int i = 0; i < kQChunks; ++i) dk[i] = fmaf(ds, qv[i], dk[i]);
 #pragma unroll
       for (int i = 0; i < kVChunks; ++i) dv[i] = fmaf(pj, dov[i], dv[i]);
     }
   }
-  T* dkrow = static_cast<T*>(p.dk) + krow_index * Dk;
-  T* dvrow = static_cast<T*>(p.dv) + krow_index * Dv;
+  const int64_t bkrow = b * p.Tk * p.Hkv + krow_index;  // row of the dense dk / dv of the batch
+  T* dkrow = static_cast<T*>(p.dk) + bkrow * Dk;
+  T* dvrow = static_cast<T*>(p.dv) + bkrow * Dv;
 #pragma unroll
   for (int i = 0; i < kQChunks; ++i) {
     const int d = lane + 32 * i;
@@ -201,7 +213,7 @@ unsigned blocks_for(int64_t warps) {
 
 void launch_attention_bwd_preprocess(const AttentionBwdParams& p, bool elem_bf16,
                                      cudaStream_t stream) {
-  const unsigned grid = blocks_for(int64_t(p.Hq) * p.Tq_pad);
+  const dim3 grid(blocks_for(int64_t(p.Hq) * p.Tq_pad), 1, unsigned(p.batch));
   if (elem_bf16)
     attention_bwd_preprocess_kernel<__nv_bfloat16><<<grid, 32 * kWarps, 0, stream>>>(p);
   else
@@ -211,8 +223,8 @@ void launch_attention_bwd_preprocess(const AttentionBwdParams& p, bool elem_bf16
 
 void launch_attention_bwd_generic(const AttentionBwdParams& p, bool elem_bf16,
                                   cudaStream_t stream) {
-  const unsigned dq_grid = blocks_for(p.Tq * p.Hq);
-  const unsigned dkdv_grid = blocks_for(p.Tk * p.Hkv);
+  const dim3 dq_grid(blocks_for(p.Tq * p.Hq), 1, unsigned(p.batch));
+  const dim3 dkdv_grid(blocks_for(p.Tk * p.Hkv), 1, unsigned(p.batch));
   if (elem_bf16) {
     attention_bwd_dkdv_generic_kernel<__nv_bfloat16><<<dkdv_grid, 32 * kWarps, 0, stream>>>(p);
     check_launch("attention_bwd_dkdv_generic_kernel");

@@ -1,10 +1,13 @@
 // Internals of the CUDA attention backward (attention_backward.cu dispatches): the parameters
 // every backward kernel reads and their launchers.
 //
-// Workspace: lse2 [Hq][Tq_pad] (the forward's lse in log2 units) then delta [Hq][Tq_pad]
-// (D_i = rowsum(d_o * o)), Tq_pad = Tq rounded up to kAttentionBwdRowPad; the padding rows hold
-// lse2 = +inf and delta = 0, so a padded query row has probability 0 against every key and the
-// tensor-core kernels can copy whole 16-byte chunks of them.
+// Workspace: lse2 [batch][Hq][Tq_pad] (the forward's lse in log2 units) then delta
+// [batch][Hq][Tq_pad] (D_i = rowsum(d_o * o)), Tq_pad = Tq rounded up to kAttentionBwdRowPad;
+// the padding rows hold lse2 = +inf and delta = 0, so a padded query row has probability 0
+// against every key and the tensor-core kernels can copy whole 16-byte chunks of them.
+// Batch: every kernel runs sequence b = blockIdx.z; q, k, v, o and lse at the batch strides
+// below, d_o, dq, dk, dv dense per sequence (b * Tq * Hq * Dv, ...), lse2 / delta at
+// b * Hq * Tq_pad. The pointers below are those of sequence 0.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -24,9 +27,12 @@ struct AttentionBwdParams {
   void* dq = nullptr;                                // [Tq, Hq, Dk] dense
   void* dk = nullptr;                                // [Tk, Hkv, Dk] dense
   void* dv = nullptr;                                // [Tk, Hkv, Dv] dense
-  float* lse2 = nullptr;                             // workspace [Hq][Tq_pad]
-  float* delta = nullptr;                            // workspace [Hq][Tq_pad]
+  float* lse2 = nullptr;                             // workspace [batch][Hq][Tq_pad]
+  float* delta = nullptr;                            // workspace [batch][Hq][Tq_pad]
   int64_t q_stride = 0, k_stride = 0, v_stride = 0;  // elements between tokens
+  // Elements between sequences (resolved, never 0): q, k, v in their type, o and lse in floats.
+  int64_t q_bstride = 0, k_bstride = 0, v_bstride = 0, o_bstride = 0, lse_bstride = 0;
+  int batch = 1;
   int64_t Tq = 0, Tk = 0, q_offset = 0, Tq_pad = 0;
   int Hq = 1, Hkv = 1, group = 1, Dk = 0, Dv = 0;
   float scale = 0.f;  // natural units (scores are scale * q . k)

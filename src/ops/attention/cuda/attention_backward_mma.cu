@@ -14,11 +14,14 @@
 // tiles (64 keys, K / V double-buffered) its queries see: S = Q K^T, P = exp2(S scale log2(e)
 // - lse2), dP = dO V^T, dS = P (dP - delta), dQ += dS K. Query tiles run heaviest first.
 //
+// Both kernels run the batch in grid z: sequence b = blockIdx.z reads q / k / v at the batch
+// strides, lse2 / delta / d_o and writes dq / dk / dv at its dense offsets.
+//
 // Head dims are zero-padded inside to the instantiation's DKP / DVP (zero Q / K columns add
 // nothing to S, zero V / dO columns nothing to dP; pad columns are never written); padded query
 // rows have lse2 = +inf (P = 0), padded key rows are never written.
 // Requirements (else the plain kernels run): Dk, Dv <= 128 and multiples of 8; q / k / v row
-// strides multiples of 8; every array 16-byte aligned.
+// strides (and batch strides) multiples of 8; every array 16-byte aligned.
 #include <cuda_bf16.h>
 
 #include <cmath>
@@ -104,6 +107,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(AttentionB
   const int g = lane >> 2, t4 = lane & 3;
   const int64_t key0 = int64_t(blockIdx.x) * kKeys;
   const int kvh = blockIdx.y;
+  const int64_t b = blockIdx.z;  // the sequence
   const int Dk = p.Dk, Dv = p.Dv, group = p.group;
   const int keys_valid = int(min(int64_t(kKeys), p.Tk - key0));
 
@@ -114,9 +118,11 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(AttentionB
   const int nqt = qt_end > qt_first ? qt_end - qt_first : 0;
   const int n_iter = group * nqt;
 
-  const bf16* qbase = static_cast<const bf16*>(p.q);
-  const bf16* dobase = static_cast<const bf16*>(p.d_o);
+  const bf16* qbase = static_cast<const bf16*>(p.q) + b * p.q_bstride;
   const int64_t do_stride = int64_t(p.Hq) * Dv;
+  const bf16* dobase = static_cast<const bf16*>(p.d_o) + b * p.Tq * do_stride;
+  const float* lse2_base = p.lse2 + b * p.Hq * p.Tq_pad;
+  const float* delta_base = p.delta + b * p.Hq * p.Tq_pad;
 
   auto load_q = [&](int it, int buf) {
     const int h = kvh * group + it / nqt;
@@ -130,7 +136,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(AttentionB
     const int64_t w0 = int64_t(h) * p.Tq_pad + t0;
     for (int idx = tid; idx < 2 * (BQ / 4); idx += kThreads) {
       const int which = idx / (BQ / 4), c = idx % (BQ / 4);
-      const float* src = (which == 0 ? p.lse2 : p.delta) + w0 + 4 * c;
+      const float* src = (which == 0 ? lse2_base : delta_base) + w0 + 4 * c;
       cp_async16((which == 0 ? Ls : Ds) + buf * BQ + 4 * c, src);
     }
   };
@@ -142,8 +148,10 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(AttentionB
   for (int n = 0; n < DVP / 8; ++n) dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.f;
 
   if (n_iter > 0) {
-    const bf16* kbase = static_cast<const bf16*>(p.k) + key0 * p.k_stride + int64_t(kvh) * Dk;
-    const bf16* vbase = static_cast<const bf16*>(p.v) + key0 * p.v_stride + int64_t(kvh) * Dv;
+    const bf16* kbase =
+        static_cast<const bf16*>(p.k) + b * p.k_bstride + key0 * p.k_stride + int64_t(kvh) * Dk;
+    const bf16* vbase =
+        static_cast<const bf16*>(p.v) + b * p.v_bstride + key0 * p.v_stride + int64_t(kvh) * Dv;
     load_tile(Ks, ldk, kbase, p.k_stride, kKeys, keys_valid, DKP / 8, Dk / 8, tid);
     load_tile(Vs, ldv, vbase, p.v_stride, kKeys, keys_valid, DVP / 8, Dv / 8, tid);
     load_q(0, 0);
@@ -261,7 +269,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(AttentionB
 
   // Rows of this warp: keys key0 + warp * 16 + (g, g + 8); zeros where no query saw the block.
   const int warp_rows = keys_valid - warp * 16;
-  const int64_t out_row0 = (key0 + warp * 16) * p.Hkv + kvh;
+  const int64_t out_row0 = (b * p.Tk + key0 + warp * 16) * p.Hkv + kvh;
   store_rows<DKP>(static_cast<bf16*>(p.dk) + out_row0 * Dk, int64_t(p.Hkv) * Dk, warp_rows, Dk, dk,
                   p.scale, lane);
   store_rows<DVP>(static_cast<bf16*>(p.dv) + out_row0 * Dv, int64_t(p.Hkv) * Dv, warp_rows, Dv, dv,
@@ -281,6 +289,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(AttentionBwd
   const int g = lane >> 2, t4 = lane & 3;
   const int64_t q0 = int64_t(gridDim.x - 1 - blockIdx.x) * kRows;  // heaviest tiles first
   const int h = blockIdx.y;
+  const int64_t b = blockIdx.z;  // the sequence
   const int kvh = h / p.group;
   const int Dk = p.Dk, Dv = p.Dv;
 
@@ -288,8 +297,8 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(AttentionBwd
   const int64_t kv_end = min(p.Tk, p.q_offset + q0 + q_rows);
   const int ntiles = int((kv_end + kBN - 1) / kBN);
 
-  const bf16* kbase = static_cast<const bf16*>(p.k) + int64_t(kvh) * Dk;
-  const bf16* vbase = static_cast<const bf16*>(p.v) + int64_t(kvh) * Dv;
+  const bf16* kbase = static_cast<const bf16*>(p.k) + b * p.k_bstride + int64_t(kvh) * Dk;
+  const bf16* vbase = static_cast<const bf16*>(p.v) + b * p.v_bstride + int64_t(kvh) * Dv;
   auto load_kv = [&](int tile, int buf) {
     const int64_t k0 = int64_t(tile) * kBN;
     const int valid = int(min(int64_t(kBN), p.Tk - k0));
@@ -300,17 +309,19 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(AttentionBwd
   };
 
   const int64_t do_stride = int64_t(p.Hq) * Dv;
-  load_tile(Qs, ldk, static_cast<const bf16*>(p.q) + q0 * p.q_stride + int64_t(h) * Dk, p.q_stride,
-            kRows, int(q_rows), DKP / 8, Dk / 8, tid);
-  load_tile(dOs, ldv, static_cast<const bf16*>(p.d_o) + q0 * do_stride + int64_t(h) * Dv, do_stride,
-            kRows, int(q_rows), DVP / 8, Dv / 8, tid);
+  load_tile(Qs, ldk,
+            static_cast<const bf16*>(p.q) + b * p.q_bstride + q0 * p.q_stride + int64_t(h) * Dk,
+            p.q_stride, kRows, int(q_rows), DKP / 8, Dk / 8, tid);
+  load_tile(dOs, ldv,
+            static_cast<const bf16*>(p.d_o) + (b * p.Tq + q0) * do_stride + int64_t(h) * Dv,
+            do_stride, kRows, int(q_rows), DVP / 8, Dv / 8, tid);
   load_kv(0, 0);
   cp_async_commit();
 
   // This thread's rows g and g + 8 of the warp (padded rows: lse2 = +inf, P = 0).
   const int64_t r0 = q0 + warp * 16 + g;
-  const float* lse2_row = p.lse2 + int64_t(h) * p.Tq_pad;
-  const float* delta_row = p.delta + int64_t(h) * p.Tq_pad;
+  const float* lse2_row = p.lse2 + (b * p.Hq + h) * p.Tq_pad;
+  const float* delta_row = p.delta + (b * p.Hq + h) * p.Tq_pad;
   const float lse2[2] = {lse2_row[r0], lse2_row[r0 + 8]};
   const float delta[2] = {delta_row[r0], delta_row[r0 + 8]};
   const int64_t qpos[2] = {p.q_offset + r0, p.q_offset + r0 + 8};
@@ -405,7 +416,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(AttentionBwd
   }
 
   const int warp_rows = int(q_rows) - warp * 16;
-  const int64_t out_row0 = (q0 + warp * 16) * p.Hq + h;
+  const int64_t out_row0 = (b * p.Tq + q0 + warp * 16) * p.Hq + h;
   store_rows<DKP>(static_cast<bf16*>(p.dq) + out_row0 * Dk, int64_t(p.Hq) * Dk, warp_rows, Dk, dq,
                   p.scale, lane);
 }
@@ -432,14 +443,14 @@ bool launch(const AttentionBwdParams& p, cudaStream_t stream) {
   check_cuda(
       cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_dkdv)),
       "cudaFuncSetAttribute (attention_bwd_dkdv_kernel)");
-  const dim3 dkdv_grid(unsigned((p.Tk + kKeys - 1) / kKeys), unsigned(p.Hkv));
+  const dim3 dkdv_grid(unsigned((p.Tk + kKeys - 1) / kKeys), unsigned(p.Hkv), unsigned(p.batch));
   dkdv<<<dkdv_grid, kThreads, smem_dkdv, stream>>>(p);
   check_launch("attention_bwd_dkdv_kernel");
 
   auto dq = attention_bwd_dq_kernel<DKP, DVP>;
   check_cuda(cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_dq)),
              "cudaFuncSetAttribute (attention_bwd_dq_kernel)");
-  const dim3 dq_grid(unsigned((p.Tq + kRows - 1) / kRows), unsigned(p.Hq));
+  const dim3 dq_grid(unsigned((p.Tq + kRows - 1) / kRows), unsigned(p.Hq), unsigned(p.batch));
   dq<<<dq_grid, kThreads, smem_dq, stream>>>(p);
   check_launch("attention_bwd_dq_kernel");
   return true;
@@ -450,6 +461,9 @@ bool launch(const AttentionBwdParams& p, cudaStream_t stream) {
 bool launch_attention_bwd_mma(const AttentionBwdParams& p, cudaStream_t stream) {
   if (p.Dk % 8 != 0 || p.Dv % 8 != 0 || p.Dk > 128 || p.Dv > 128) return false;
   if (p.q_stride % 8 != 0 || p.k_stride % 8 != 0 || p.v_stride % 8 != 0) return false;
+  // Dense d_o / dq / dk / dv of later sequences stay aligned (Dk, Dv multiples of 8).
+  if (p.batch > 1 && (p.q_bstride % 8 != 0 || p.k_bstride % 8 != 0 || p.v_bstride % 8 != 0))
+    return false;
   for (const void* ptr : {p.q, p.k, p.v, p.d_o, static_cast<const void*>(p.dq),
                           static_cast<const void*>(p.dk), static_cast<const void*>(p.dv)})
     if (!aligned16(ptr)) return false;

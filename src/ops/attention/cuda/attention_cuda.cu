@@ -133,6 +133,23 @@ void validate_sizes(const AttentionArgs& a) {
         [&] { return std::string("attention_forward: k_row_stride must be 0 or >= Hkv * Dk"); });
   check(a.v_row_stride == 0 || a.v_row_stride >= a.Hkv * a.Dv,
         [&] { return std::string("attention_forward: v_row_stride must be 0 or >= Hkv * Dv"); });
+  check(a.batch >= 1 && a.batch <= 65535, [&] {
+    return std::string("attention_forward: batch must be in [1, 65535] (got " +
+                       std::to_string(a.batch) + ")");
+  });
+  if (a.batch > 1) {
+    check(a.Tk_device == nullptr, [&] {
+      return std::string("attention_forward: Tk_device (decode) supports batch == 1 only");
+    });
+    check(a.q_batch_stride >= 0 && a.k_batch_stride >= 0 && a.v_batch_stride >= 0,
+          [&] { return std::string("attention_forward: q/k/v_batch_stride must be >= 0"); });
+    check(a.o_batch_stride == 0 || a.o_batch_stride >= a.Tq * a.Hq * a.Dv, [&] {
+      return std::string("attention_forward: o_batch_stride must be 0 or >= Tq * Hq * Dv");
+    });
+    check(a.lse_batch_stride == 0 || a.lse_batch_stride >= a.Tq * a.Hq, [&] {
+      return std::string("attention_forward: lse_batch_stride must be 0 or >= Tq * Hq");
+    });
+  }
 }
 
 struct Plan {
@@ -150,6 +167,12 @@ Plan make_plan(const AttentionArgs& a) {
   // The split decode path does not produce lse: a caller that wants it gets the direct path.
   plan.decode = a.Tq <= kDecodeMaxTq && a.lse == nullptr;
   if (!plan.decode) return plan;
+  check(a.batch == 1, [&] {
+    return std::string(
+        "attention_forward: the split decode path (Tq <= " + std::to_string(kDecodeMaxTq) +
+        " without lse) supports batch == 1 only (got batch " + std::to_string(a.batch) +
+        "; set lse for the direct path)");
+  });
   // Keys any query sees; with a device count, its bound Tk (the plan must not depend on n).
   const int64_t kv_len = a.Tk_device != nullptr ? a.Tk : a.q_offset + a.Tq;
   const int64_t group = a.Hq / a.Hkv;
@@ -202,6 +225,12 @@ void attention_forward(const AttentionArgs& args, void* workspace, size_t worksp
   p.q_stride = args.q_row_stride ? args.q_row_stride : args.Hq * args.Dk;
   p.k_stride = args.k_row_stride ? args.k_row_stride : args.Hkv * args.Dk;
   p.v_stride = args.v_row_stride ? args.v_row_stride : args.Hkv * args.Dv;
+  p.q_bstride = args.q_batch_stride ? args.q_batch_stride : args.Tq * p.q_stride;
+  p.k_bstride = args.k_batch_stride ? args.k_batch_stride : args.Tk * p.k_stride;
+  p.v_bstride = args.v_batch_stride ? args.v_batch_stride : args.Tk * p.v_stride;
+  p.o_bstride = args.o_batch_stride ? args.o_batch_stride : args.Tq * args.Hq * args.Dv;
+  p.lse_bstride = args.lse_batch_stride ? args.lse_batch_stride : args.Tq * args.Hq;
+  p.batch = int(args.batch);
   p.Tq = args.Tq;
   p.Tk = args.Tk;
   p.q_offset = args.Tk_device != nullptr ? 0 : args.q_offset;

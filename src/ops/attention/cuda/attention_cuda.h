@@ -1,6 +1,6 @@
-// Causal softmax attention on the GPU for one sequence, the core that GPT-2 (prefill and
-// KV-cache decode) and Kimi Linear's MLA (expanded prefill; absorbed decode over the latent
-// cache, MQA-style) share.
+// Causal softmax attention on the GPU for a batch of independent, equal-length sequences (one
+// sequence by default), the core that GPT-2 (prefill, training and KV-cache decode) and Kimi
+// Linear's MLA (expanded prefill; absorbed decode over the latent cache, MQA-style) share.
 //
 //   o[i, h] = sum_j p_ij v[j, kvh(h)],  p_i = softmax_j(scale * q[i, h] . k[j, kvh(h)]),
 //   j = 0 .. q_offset + i   (query i sits at position q_offset + i; Tk >= q_offset + Tq)
@@ -9,7 +9,8 @@
 // Layouts (device pointers, token-major): q [Tq, Hq, Dk] with q_row_stride elements between
 // tokens (heads Dk apart); k [Tk, Hkv, Dk] with k_row_stride; v [Tk, Hkv, Dv] with
 // v_row_stride (heads Dv apart). v may alias k (MLA absorbed decode: v = the first Dv values
-// of each latent row). o [Tq, Hq, Dv] fp32, dense. q, k, v share one element type.
+// of each latent row). o [Tq, Hq, Dv] fp32, dense. q, k, v share one element type. These are
+// the layouts of one sequence; a batch repeats them at the batch strides (see AttentionArgs).
 //
 // Paths: bf16 with Tq >= 16 runs a tensor-core flash-attention kernel (mma.sync bf16, fp32
 // softmax and accumulation; Dk, Dv <= 256, zero-padded to multiples of 16 inside); small Tq
@@ -17,7 +18,8 @@
 // head of a KV head, so a shared KV head (MLA's latent) is read once per step (on sm_90, for
 // MLA's 576/512 with v aliasing k, a bulk-copy-fed variant with 32-key tiles; else a cp.async
 // one with 64-key tiles); fp32 inputs run a plain fp32 kernel (exact to fp32 rounding; the
-// path held to 1e-4 against the CPU).
+// path held to 1e-4 against the CPU). The prefill and plain kernels run the batch in one launch
+// (grid z); every sequence gets exactly the arithmetic a call of its own would (bit-identical).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -49,10 +51,20 @@ struct AttentionArgs {
   // workspace, so one launch (and one attention_workspace_bytes) serves every n. Decode only
   // (Tq <= 15; larger Tq throws).
   const int32_t* Tk_device = nullptr;
+  // Independent sequences of equal length in one launch (grid over batch too): sequence b reads
+  // q + b * q_batch_stride, k + b * k_batch_stride, v + b * v_batch_stride (elements) and writes
+  // o + b * o_batch_stride, lse + b * lse_batch_stride. A 0 stride means dense: Tq * q_row_stride
+  // (Tq * Hq * Dk when the row stride is 0) for q, Tk * (row stride) for k and v,
+  // Tq * Hq * Dv for o, Tq * Hq for lse. The decode paths (Tk_device, the split kernels) take
+  // batch == 1 only (throw otherwise).
+  int64_t batch = 1;
+  int64_t q_batch_stride = 0, k_batch_stride = 0, v_batch_stride = 0, o_batch_stride = 0,
+          lse_batch_stride = 0;
 };
 
 // Bytes of device workspace attention_forward needs for these sizes (split-sequence partial
-// results); 0 is a valid answer.
+// results; batch > 1 never splits); 0 is a valid answer. Throws kda::Error on bad sizes, and for
+// batch > 1 where the split decode path would run (Tq <= 15 without lse, or Tk_device).
 size_t attention_workspace_bytes(const AttentionArgs& args);
 
 // Throws kda::Error on bad sizes (naming the field) before queuing anything.
@@ -62,14 +74,18 @@ void attention_forward(const AttentionArgs& args, void* workspace, size_t worksp
 // ---- Backward (attention_backward.cu) ----
 // Gradients of sum(o * d_o) for the forward described by `args` (Tk_device unset), recomputing
 // the probabilities from q, k and lse (FlashAttention-2): args.o must still hold the forward's
-// output (fp32, read for D_i = rowsum(d_o * o)); lse [Tq, Hq] the forward's (args.lse). d_o is
-// args.dtype [Tq, Hq, Dv] dense; dq [Tq, Hq, Dk], dk [Tk, Hkv, Dk], dv [Tk, Hkv, Dv] are
-// args.dtype, dense, every element written (keys no query sees get 0). dk and dv sum over the
-// query heads of their KV head in a fixed order: the result is deterministic (no atomics).
+// output (fp32, read for D_i = rowsum(d_o * o)); lse [Tq, Hq] the forward's (args.lse). q, k,
+// v, o and lse of sequence b are read at the batch strides of `args` as in the forward
+// (lse_batch_stride applies to the `lse` argument). d_o is args.dtype [batch, Tq, Hq, Dv] dense;
+// dq [batch, Tq, Hq, Dk], dk [batch, Tk, Hkv, Dk], dv [batch, Tk, Hkv, Dv] are args.dtype,
+// dense, every element written (keys no query sees get 0). dk and dv sum over the query heads
+// of their KV head in a fixed order: the result is deterministic (no atomics), and each
+// sequence's gradients are bit-identical to a call for that sequence alone.
 // Paths: bf16 with Dk, Dv <= 128 (multiples of 8, 16-byte aligned arrays and strides) runs two
 // tensor-core kernels (dk/dv over key tiles, dq over query tiles); everything else a plain
 // fp32-arithmetic kernel per key row and per query row (exact to fp32 rounding for f32).
-// Workspace: 2 Hq roundup(Tq, 64) floats (lse in log2 units and D_i). args.lse is not read.
+// Workspace: 2 batch Hq roundup(Tq, 64) floats (lse in log2 units and D_i). args.lse is not
+// read.
 size_t attention_backward_workspace_bytes(const AttentionArgs& args);
 void attention_backward(const AttentionArgs& args, const float* lse, const void* d_o, void* dq,
                         void* dk, void* dv, void* workspace, size_t workspace_bytes,

@@ -1,7 +1,8 @@
 // The plain attention kernel: one warp per query row (t, h), keys one at a time with an online
 // softmax in fp32 (exact expf, warp-reduced dot products). The fp32 path (held to 1e-4 against
 // the CPU on whole models), and the fallback for bf16 layouts the tensor-core kernels do not
-// take (unaligned strides, head dims not a multiple of 8, too little shared memory).
+// take (unaligned strides, head dims not a multiple of 8, too little shared memory). Grid: (row
+// blocks, splits or 1, batch): sequence b = blockIdx.z (split decode has batch == 1).
 #include <cuda_bf16.h>
 
 #include <cmath>
@@ -26,6 +27,7 @@ __global__ void __launch_bounds__(32 * kGenericWarps) attention_generic_kernel(A
   const int h = int(row % p.Hq);
   const int kvh = h / p.group;
   const int Dk = p.Dk, Dv = p.Dv;
+  const int64_t b = blockIdx.z;  // the sequence (0 on the split path)
 
   // Keys of this launch: all visible ones (direct), or this split's share of them (none for a
   // split at or past a device key count: the loop is skipped and it writes the empty partial).
@@ -37,7 +39,7 @@ __global__ void __launch_bounds__(32 * kGenericWarps) attention_generic_kernel(A
     key_end = min(visible_end, key_begin + p.split_len);
   }
 
-  const T* qrow = static_cast<const T*>(p.q) + t * p.q_stride + int64_t(h) * Dk;
+  const T* qrow = static_cast<const T*>(p.q) + b * p.q_bstride + t * p.q_stride + int64_t(h) * Dk;
   float qv[kQChunks];
 #pragma unroll
   for (int i = 0; i < kQChunks; ++i) {
@@ -49,8 +51,8 @@ __global__ void __launch_bounds__(32 * kGenericWarps) attention_generic_kernel(A
   for (int i = 0; i < kVChunks; ++i) acc[i] = 0.f;
   float m = -INFINITY, l = 0.f;
 
-  const T* kbase = static_cast<const T*>(p.k) + int64_t(kvh) * Dk;
-  const T* vbase = static_cast<const T*>(p.v) + int64_t(kvh) * Dv;
+  const T* kbase = static_cast<const T*>(p.k) + b * p.k_bstride + int64_t(kvh) * Dk;
+  const T* vbase = static_cast<const T*>(p.v) + b * p.v_bstride + int64_t(kvh) * Dv;
   for (int64_t j = key_begin; j < key_end; ++j) {
     const T* krow = kbase + j * p.k_stride;
     float dot = 0.f;
@@ -82,13 +84,13 @@ __global__ void __launch_bounds__(32 * kGenericWarps) attention_generic_kernel(A
 
   if (p.nsplit == 0) {
     const float inv = 1.f / l;  // l >= 1: key 0 is always visible
-    float* orow = p.o + row * Dv;
+    float* orow = p.o + b * p.o_bstride + row * Dv;
 #pragma unroll
     for (int i = 0; i < kVChunks; ++i) {
       const int d = lane + 32 * i;
       if (d < Dv) orow[d] = acc[i] * inv;
     }
-    if (p.lse != nullptr && lane == 0) p.lse[row] = m + logf(l);
+    if (p.lse != nullptr && lane == 0) p.lse[b * p.lse_bstride + row] = m + logf(l);
   } else {
     const int64_t rows = p.Tq * p.Hq;
     const int64_t prow = int64_t(blockIdx.y) * rows + row;
@@ -110,7 +112,7 @@ __global__ void __launch_bounds__(32 * kGenericWarps) attention_generic_kernel(A
 void launch_attention_generic(const AttentionParams& p, bool elem_bf16, cudaStream_t stream) {
   const int64_t rows = p.Tq * p.Hq;
   const dim3 grid(unsigned((rows + kGenericWarps - 1) / kGenericWarps),
-                  unsigned(p.nsplit > 0 ? p.nsplit : 1));
+                  unsigned(p.nsplit > 0 ? p.nsplit : 1), unsigned(p.batch));
   const dim3 block(32 * kGenericWarps);
   if (elem_bf16)
     attention_generic_kernel<__nv_bfloat16><<<grid, block, 0, stream>>>(p);

@@ -1,10 +1,13 @@
 // Internals of the CUDA attention op (attention_cuda.cu dispatches): the parameters every
 // kernel reads and the launchers of the three kernel families.
 //
-// Rows: a query row is (t, h) with index t * Hq + h, the row of o [Tq, Hq, Dv]. Split partial
-// results (decode) live in the workspace as acc [nsplit][Tq * Hq][Dv] (unnormalised, relative to
-// the row's running max), then m [nsplit][Tq * Hq] (natural-log units, -inf when the split held
-// no visible key for the row) and l [nsplit][Tq * Hq] (sum of exp(score - m)).
+// Rows: a query row is (t, h) with index t * Hq + h, the row of o [Tq, Hq, Dv] of its sequence.
+// Batch: the direct kernels (prefill, plain with nsplit == 0) run sequence b = blockIdx.z at
+// q + b * q_bstride, ... (elements, resolved: never 0); the split decode path has batch == 1.
+// Split partial results (decode) live in the workspace as acc [nsplit][Tq * Hq][Dv]
+// (unnormalised, relative to the row's running max), then m [nsplit][Tq * Hq] (natural-log
+// units, -inf when the split held no visible key for the row) and l [nsplit][Tq * Hq] (sum of
+// exp(score - m)).
 // With a device key count (kv_len_device), splits at or past it are empty: their blocks only
 // write m = -inf and l = 0 and leave acc unwritten; the combine kernel then never reads the acc
 // of a zero-weight split.
@@ -24,6 +27,10 @@ struct AttentionParams {
   float* o = nullptr;
   float* lse = nullptr;  // [Tq, Hq] natural log (direct paths only: nsplit == 0)
   int64_t q_stride = 0, k_stride = 0, v_stride = 0;  // elements between tokens
+  // Elements between sequences (resolved; see AttentionArgs): q, k, v in their element type,
+  // o and lse in floats. batch sequences in grid z.
+  int64_t q_bstride = 0, k_bstride = 0, v_bstride = 0, o_bstride = 0, lse_bstride = 0;
+  int batch = 1;
   int64_t Tq = 0, Tk = 0, q_offset = 0;
   int Hq = 1, Hkv = 1, group = 1, Dk = 0, Dv = 0;
   float scale = 0.f;  // natural units (scores are scale * q . k)
@@ -78,11 +85,13 @@ int attention_sm_count();
 int attention_cc_major();  // compute capability major of the current device (cached)
 
 // fp32-exact kernel (one warp per query row, fp32 FMA, expf): elem_bf16 picks the element type.
-// nsplit == 0: writes o directly over keys [0, q_offset + t]; else writes the split partials.
+// nsplit == 0: writes o directly over keys [0, q_offset + t] (every sequence of the batch); else
+// writes the split partials (batch == 1).
 void launch_attention_generic(const AttentionParams& p, bool elem_bf16, cudaStream_t stream);
 
-// Tensor-core flash attention for bf16 prefill; returns false (launching nothing) when this
-// shape or layout has no instantiation (the caller falls back to the generic kernel).
+// Tensor-core flash attention for bf16 prefill (every sequence of the batch); returns false
+// (launching nothing) when this shape or layout has no instantiation (the caller falls back to
+// the generic kernel).
 bool launch_attention_prefill(const AttentionParams& p, cudaStream_t stream);
 
 // Tensor-core split-sequence decode (bf16): writes the split partials. Returns false (launching

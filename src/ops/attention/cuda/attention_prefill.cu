@@ -8,9 +8,11 @@
 // into A fragments (bf16), O += P V. Head dims are zero-padded inside: Dk to a multiple of 16
 // (zero Q / K columns add nothing), Dv to the instantiation's DVP (pad columns are not written).
 // Query tiles run heaviest (last) first so the causal triangle balances over the SMs.
+// Grid: (query tiles, Hq, batch); sequence b = blockIdx.z reads and writes at its batch strides.
 //
 // Fast-path requirements (else the caller falls back to the generic kernel): Dk, Dv and the
-// three row strides multiples of 8 elements, q / k / v 16-byte aligned, the shared memory fits.
+// three row strides (and batch strides) multiples of 8 elements, q / k / v 16-byte aligned, the
+// shared memory fits.
 #include <cuda_bf16.h>
 
 #include <cmath>
@@ -64,6 +66,7 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(AttentionPa
   const int g = lane >> 2, t4 = lane & 3;
   const int64_t q0 = int64_t(gridDim.x - 1 - blockIdx.x) * kBM;  // heaviest tiles first
   const int h = blockIdx.y;
+  const int64_t b = blockIdx.z;  // the sequence
   const int kvh = h / p.group;
   const int Dk = p.Dk, Dv = p.Dv;
 
@@ -71,9 +74,10 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(AttentionPa
   const int64_t kv_end = min(p.Tk, p.q_offset + q0 + q_rows);
   const int ntiles = int((kv_end + kBN - 1) / kBN);
 
-  const bf16* qsrc = static_cast<const bf16*>(p.q) + q0 * p.q_stride + int64_t(h) * Dk;
-  const bf16* kbase = static_cast<const bf16*>(p.k) + int64_t(kvh) * Dk;
-  const bf16* vbase = static_cast<const bf16*>(p.v) + int64_t(kvh) * Dv;
+  const bf16* qsrc =
+      static_cast<const bf16*>(p.q) + b * p.q_bstride + q0 * p.q_stride + int64_t(h) * Dk;
+  const bf16* kbase = static_cast<const bf16*>(p.k) + b * p.k_bstride + int64_t(kvh) * Dk;
+  const bf16* vbase = static_cast<const bf16*>(p.v) + b * p.v_bstride + int64_t(kvh) * Dv;
   const int kchunks = dkp / 8, kchunks_valid = Dk / 8;
   const int vchunks = DVP / 8, vchunks_valid = Dv / 8;
 
@@ -235,14 +239,14 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(AttentionPa
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int64_t qi = q0 + warp * 16 + g + r * 8;
-      if (qi < p.Tq) p.lse[qi * p.Hq + h] = (m_run[r] + log2f(l_run[r])) * kLn2;
+      if (qi < p.Tq) p.lse[b * p.lse_bstride + qi * p.Hq + h] = (m_run[r] + log2f(l_run[r])) * kLn2;
     }
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t qi = q0 + warp * 16 + g + r * 8;
     if (qi >= p.Tq) continue;
-    float* orow = p.o + (qi * p.Hq + h) * int64_t(Dv);
+    float* orow = p.o + b * p.o_bstride + (qi * p.Hq + h) * int64_t(Dv);
 #pragma unroll
     for (int n = 0; n < DVP / 8; ++n) {
       const int c = n * 8 + 2 * t4;
@@ -263,7 +267,7 @@ bool launch(const AttentionParams& p, int dkp, cudaStream_t stream) {
   auto kernel = attention_prefill_kernel<DKQ, DVP>;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
              "cudaFuncSetAttribute (attention_prefill_kernel)");
-  const dim3 grid(unsigned((p.Tq + kBM - 1) / kBM), unsigned(p.Hq));
+  const dim3 grid(unsigned((p.Tq + kBM - 1) / kBM), unsigned(p.Hq), unsigned(p.batch));
   kernel<<<grid, kThreads, smem, stream>>>(p, dkp);
   check_launch("attention_prefill_kernel");
   return true;
@@ -274,6 +278,8 @@ bool launch(const AttentionParams& p, int dkp, cudaStream_t stream) {
 bool launch_attention_prefill(const AttentionParams& p, cudaStream_t stream) {
   if (p.Dk % 8 != 0 || p.Dv % 8 != 0 || p.Dk > 256 || p.Dv > 256) return false;
   if (p.q_stride % 8 != 0 || p.k_stride % 8 != 0 || p.v_stride % 8 != 0) return false;
+  if (p.batch > 1 && (p.q_bstride % 8 != 0 || p.k_bstride % 8 != 0 || p.v_bstride % 8 != 0))
+    return false;
   if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v)) return false;
   const int dkp = (p.Dk + 15) / 16 * 16;
   if (dkp == 192 && p.Dv <= 128) return launch<192, 128>(p, dkp, stream);

@@ -1,0 +1,628 @@
+// The lineage mixers' small training kernels (train_mixer_cuda.h). Elementwise work is a
+// grid-stride loop over elements (channels or pairs fastest, so warps read consecutive
+// addresses); the L2 norm uses the row teams of nn_common.cuh. The weight gradients (dweight,
+// dA_log, ddt_bias) are column sums over rows done without atomics: the rows are cut into fixed
+// chunks (a function of the sizes only), a thread per column sums its chunk in row order in fp64
+// into partials [chunks, columns, K], and a second kernel adds the chunks in chunk order.
+#include <cmath>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "ops/nn/cuda/nn_common.cuh"
+#include "ops/nn/cuda/train_mixer_cuda.h"
+
+namespace kda::ops::cuda {
+namespace {
+
+using namespace nn_detail;
+
+template <class T>
+using Elem = std::remove_pointer_t<T>;
+
+constexpr int kThreads = 256;
+constexpr int kMaxConvWidth = 4;
+constexpr float kL2NormEps = 1e-6f;  // torch.nn.functional.normalize's default, as the CPU
+
+__device__ __forceinline__ float load_one(const float* p) {
+  return *p;
+}
+__device__ __forceinline__ float load_one(const __nv_bfloat16* p) {
+  return __bfloat162float(*p);
+}
+__device__ __forceinline__ void store_one(float* p, float v) {
+  *p = v;
+}
+__device__ __forceinline__ void store_one(__nv_bfloat16* p, float v) {
+  *p = __float2bfloat16_rn(v);
+}
+
+// torch's softplus (beta 1, threshold 20), as ops::detail::softplus in fp32
+__device__ __forceinline__ float softplus_f(float x) {
+  return x > 20.0f ? x : log1pf(expf(x));
+}
+
+// ---- fixed-order column sums over rows ----
+
+// Where the K sums of a column go: interleaved (out[0][col * K + k], dweight's [C, W]) or one
+// array per term (out[k][col]).
+struct ColumnOuts {
+  float* out[kMaxConvWidth] = {};
+  bool interleaved = false;
+};
+
+struct ChunkPlan {
+  int64_t chunks = 1, rows_per_chunk = 1, column_blocks = 1;
+  int threads = kThreads;
+};
+
+// ~1024 blocks in all, chunks of at least 16 rows; a function of (rows, cols) only, so the
+// summation order never changes between runs.
+ChunkPlan chunk_plan(int64_t rows, int64_t cols) {
+  ChunkPlan p;
+  p.threads = int(std::min<int64_t>(kThreads, ceil_div(cols, 32) * 32));
+  p.column_blocks = ceil_div(cols, p.threads);
+  const int64_t want = std::clamp<int64_t>(ceil_div(1024, p.column_blocks), 1, 4096);
+  p.rows_per_chunk = std::max<int64_t>(16, ceil_div(rows, want));
+  p.chunks = ceil_div(rows, p.rows_per_chunk);
+  return p;
+}
+
+// partials[chunk, col, k] = sum over the chunk's rows (in order) of term k of op(row, col, acc).
+template <int K, class Op>
+__global__ void chunk_partials_kernel(int64_t rows, int64_t cols, int64_t rows_per_chunk, Op op,
+                                      double* partials) {
+  const int64_t col = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (col >= cols) return;
+  const int64_t chunk = blockIdx.y;
+  const int64_t first = chunk * rows_per_chunk;
+  const int64_t end = first + rows_per_chunk < rows ? first + rows_per_chunk : rows;
+  double acc[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) acc[k] = 0.0;
+  for (int64_t r = first; r < end; ++r) op(r, col, acc);
+  double* out = partials + (chunk * cols + col) * K;
+#pragma unroll
+  for (int k = 0; k < K; ++k) out[k] = acc[k];
+}
+
+// outs (col, k) += sum over chunks (in order) of partials[chunk, col, k].
+template <int K>
+__global__ void chunk_reduce_kernel(const double* partials, int64_t chunks, int64_t cols,
+                                    ColumnOuts outs) {
+  const int64_t n = cols * K;
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  double s = 0.0;
+  for (int64_t c = 0; c < chunks; ++c) s += partials[c * n + i];
+  const int64_t col = i / K, k = i - col * K;
+  float* o = outs.interleaved ? outs.out[0] + i : outs.out[k] + col;
+  *o = float(double(*o) + s);
+}
+
+template <int K, class Op>
+void column_sums(int64_t rows, int64_t cols, const Op& op, const ColumnOuts& outs, double* partials,
+                 const ChunkPlan& p, cudaStream_t stream, const char* what) {
+  const dim3 grid(unsigned(p.column_blocks), unsigned(p.chunks));
+  chunk_partials_kernel<K>
+      <<<grid, p.threads, 0, stream>>>(rows, cols, p.rows_per_chunk, op, partials);
+  check_launch(what);
+  chunk_reduce_kernel<K><<<unsigned(ceil_div(cols * K, kThreads)), kThreads, 0, stream>>>(
+      partials, p.chunks, cols, outs);
+  check_launch(what);
+}
+
+// Reserves the partials of a column sum (before any kernel is queued: growing reallocates).
+double* reserve_partials(TrainScratch& scratch, const ChunkPlan& p, int64_t cols, int K,
+                         const char* what) {
+  require(p.chunks < 65536 && p.column_blocks < (int64_t(1) << 31),
+          std::string(what) + ": too many rows or columns");
+  scratch.partials.reserve(size_t(p.chunks * cols * K) * sizeof(double));
+  return scratch.partials.as<double>();
+}
+
+// ---- short convolution over packed sequences ----
+
+// The pre-activation a[r, c] = sum_j w[c, j] x[r - P + j, c] with inputs before the sequence's
+// start (P - j > positions[r]) as 0, in the CPU's order without contraction.
+template <int W>
+__device__ __forceinline__ float conv_preactivation(const float* x, int64_t xs, const float* w,
+                                                    int64_t r, int64_t c, int32_t position) {
+  constexpr int P = W - 1;
+  float acc = 0.0f;
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    const int back = P - j;
+    const float v = back <= position && back <= r ? x[(r - back) * xs + c] : 0.0f;
+    acc = __fadd_rn(acc, __fmul_rn(w[j], v));
+  }
+  return acc;
+}
+
+template <int W, class OutT>
+__global__ void conv_train_forward_kernel(const float* x, const int32_t* positions, int64_t rows,
+                                          int64_t C, int64_t xs, const float* weight, OutT* y,
+                                          int64_t ys) {
+  const int64_t n = rows * C;
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    const int64_t r = i / C, c = i - r * C;
+    float w[W];
+#pragma unroll
+    for (int j = 0; j < W; ++j) w[j] = weight[c * W + j];
+    const float a = conv_preactivation<W>(x, xs, w, r, c, positions[r]);
+    store_one(y + r * ys + c, a / (1.0f + expf(-a)));
+  }
+}
+
+// da[r, c] = dy[r, c] silu'(a[r, c]), the CPU's formula s (1 + a (1 - s)).
+template <int W, class DyT>
+__global__ void conv_train_da_kernel(const float* x, const int32_t* positions, int64_t rows,
+                                     int64_t C, int64_t xs, const float* weight, const DyT* dy,
+                                     float* da) {
+  const int64_t n = rows * C;
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    const int64_t r = i / C, c = i - r * C;
+    float w[W];
+#pragma unroll
+    for (int j = 0; j < W; ++j) w[j] = weight[c * W + j];
+    const float a = conv_preactivation<W>(x, xs, w, r, c, positions[r]);
+    const float s = 1.0f / (1.0f + expf(-a));
+    da[i] = load_one(dy + i) * s * (1.0f + a * (1.0f - s));
+  }
+}
+
+// dx[s, c] = sum_j w[c, j] da[s + P - j, c] over the outputs t = s + P - j that see input s:
+// t in range and in s's sequence (positions[t] >= P - j). j in the CPU's order.
+template <int W>
+__global__ void conv_train_dx_kernel(const float* da, const int32_t* positions, int64_t rows,
+                                     int64_t C, const float* weight, float* dx) {
+  constexpr int P = W - 1;
+  const int64_t n = rows * C;
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    const int64_t s = i / C, c = i - s * C;
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      const int ahead = P - j;
+      const int64_t t = s + ahead;
+      if (t < rows && positions[t] >= ahead)
+        acc = __fadd_rn(acc, __fmul_rn(weight[c * W + j], da[t * C + c]));
+    }
+    dx[i] = acc;
+  }
+}
+
+// dweight[c, j] terms of row t: da[t, c] x[t - P + j, c] where that input is in t's sequence.
+template <int W>
+struct ConvWeightTerms {
+  const float *x, *da;
+  const int32_t* positions;
+  int64_t C, xs;
+  __device__ void operator()(int64_t t, int64_t c, double* acc) const {
+    constexpr int P = W - 1;
+    const int32_t position = positions[t];
+    const double d = da[t * C + c];
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      const int back = P - j;
+      if (back <= position && back <= t) acc[j] += d * double(x[(t - back) * xs + c]);
+    }
+  }
+};
+
+template <class Fn>
+void with_width(int64_t W, Fn&& fn) {
+  switch (W) {
+    case 1:
+      fn(Int<1>{});
+      break;
+    case 2:
+      fn(Int<2>{});
+      break;
+    case 3:
+      fn(Int<3>{});
+      break;
+    default:
+      fn(Int<4>{});
+      break;
+  }
+}
+
+void check_conv_sizes(int64_t rows, int64_t C, int64_t W, int64_t xs, const char* what) {
+  require(rows >= 0 && C >= 1, std::string(what) + ": sizes must be positive (rows " +
+                                   std::to_string(rows) + ", C " + std::to_string(C) + ")");
+  require(W >= 1 && W <= kMaxConvWidth, std::string(what) + ": kernel width W must be in [1, " +
+                                            std::to_string(kMaxConvWidth) + "], got " +
+                                            std::to_string(W));
+  require(xs >= C, std::string(what) + ": x_stride smaller than C");
+}
+
+// ---- rotary ----
+
+template <class T>
+__global__ void rotary_kernel(T* x, const int32_t* positions, int64_t rows, int64_t H, int64_t D,
+                              int64_t xs, float sign) {
+  const int64_t half = D / 2;
+  const int64_t n = rows * half;
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    const int64_t r = i / half, k = i - r * half;
+    // The CPU's expression in fp64, rounded to fp32 after cos/sin.
+    const double angle = double(positions[r]) * pow(10000.0, -2.0 * double(k) / double(D));
+    double sin_d, cos_d;
+    sincos(angle, &sin_d, &cos_d);
+    const float c = float(cos_d), s = sign * float(sin_d);
+    T* row = x + r * xs;
+    for (int64_t h = 0; h < H; ++h) {
+      T* head = row + h * D;
+      const float x0 = load_one(head + k), x1 = load_one(head + k + half);
+      store_one(head + k, __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)));
+      store_one(head + k + half, __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
+    }
+  }
+}
+
+// ---- L2 row norm ----
+
+template <int kTeam, int V, class OutT>
+__global__ void l2norm_forward_kernel(const float* x, int64_t rows, int64_t D, OutT* y,
+                                      int64_t ys) {
+  __shared__ float scratch[32];
+  int64_t row;
+  int lane;
+  team_position<kTeam>(row, lane);
+  if (row >= rows) return;
+  const float* xr = x + row * D;
+  float n2 = 0.0f;
+  for (int64_t i = int64_t(lane) * V; i < D; i += int64_t(kTeam) * V) {
+    const Vec<V> a = load_vec<V>(xr + i);
+#pragma unroll
+    for (int k = 0; k < V; ++k) n2 += a.v[k] * a.v[k];
+  }
+  n2 = team_sum<kTeam>(n2, scratch);
+  const float inv = 1.0f / fmaxf(sqrtf(n2), kL2NormEps);
+  OutT* yr = y + row * ys;
+  for (int64_t i = int64_t(lane) * V; i < D; i += int64_t(kTeam) * V) {
+    Vec<V> a = load_vec<V>(xr + i);
+#pragma unroll
+    for (int k = 0; k < V; ++k) a.v[k] *= inv;
+    store_vec<V>(yr + i, a);
+  }
+}
+
+// (dy - x (x . dy) / |x|^2) / |x| above eps, dy / eps at or below, as the CPU.
+template <int kTeam, int V, class DyT>
+__global__ void l2norm_backward_kernel(const float* x, const DyT* dy, int64_t rows, int64_t D,
+                                       float* dx) {
+  __shared__ float scratch[32];
+  int64_t row;
+  int lane;
+  team_position<kTeam>(row, lane);
+  if (row >= rows) return;
+  const float* xr = x + row * D;
+  const DyT* dyr = dy + row * D;
+  float n2 = 0.0f, dot = 0.0f;
+  for (int64_t i = int64_t(lane) * V; i < D; i += int64_t(kTeam) * V) {
+    const Vec<V> a = load_vec<V>(xr + i);
+    const Vec<V> g = load_vec<V>(dyr + i);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      n2 += a.v[k] * a.v[k];
+      dot += a.v[k] * g.v[k];
+    }
+  }
+  n2 = team_sum<kTeam>(n2, scratch);
+  dot = team_sum<kTeam>(dot, scratch);
+  const float norm = sqrtf(n2);
+  const bool tiny = norm <= kL2NormEps;
+  const float inv = tiny ? 0.0f : 1.0f / norm;
+  float* dxr = dx + row * D;
+  for (int64_t i = int64_t(lane) * V; i < D; i += int64_t(kTeam) * V) {
+    const Vec<V> a = load_vec<V>(xr + i);
+    Vec<V> g = load_vec<V>(dyr + i);
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+      g.v[k] = tiny ? g.v[k] / kL2NormEps : (g.v[k] - a.v[k] * inv * inv * dot) * inv;
+    store_vec<V>(dxr + i, g);
+  }
+}
+
+// ---- sigmoid and the scalar gate ----
+
+template <class OutT>
+__global__ void sigmoid_forward_kernel(const float* braw, int64_t n, OutT* beta) {
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step)
+    store_one(beta + i, sigmoid_f(braw[i]));
+}
+
+template <class DT>
+__global__ void sigmoid_backward_kernel(const float* braw, const DT* dbeta, int64_t n,
+                                        float* dbraw) {
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    const float b = sigmoid_f(braw[i]);
+    dbraw[i] = load_one(dbeta + i) * b * (1.0f - b);
+  }
+}
+
+template <class OutT>
+__global__ void scalar_gate_forward_kernel(const float* graw, const float* A_log,
+                                           const float* dt_bias, int64_t rows, int64_t H, OutT* g) {
+  const int64_t n = rows * H;
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    const int64_t h = i % H;
+    store_one(g + i, -expf(A_log[h]) * softplus_f(graw[i] + dt_bias[h]));
+  }
+}
+
+template <class DT>
+__global__ void scalar_gate_dgraw_kernel(const float* graw, const float* A_log,
+                                         const float* dt_bias, const DT* dg, int64_t rows,
+                                         int64_t H, float* dgraw) {
+  const int64_t n = rows * H;
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    const int64_t h = i % H;
+    dgraw[i] = -expf(A_log[h]) * sigmoid_f(graw[i] + dt_bias[h]) * load_one(dg + i);
+  }
+}
+
+// Row r's terms of (dA_log[h], ddt_bias[h]): g dg and dgraw, recomputed as the kernels above.
+template <class DT>
+struct ScalarGateTerms {
+  const float *graw, *A_log, *dt_bias;
+  const DT* dg;
+  int64_t H;
+  __device__ void operator()(int64_t r, int64_t h, double* acc) const {
+    const int64_t i = r * H + h;
+    const float a = expf(A_log[h]);
+    const float xg = graw[i] + dt_bias[h];
+    const float d = load_one(dg + i);
+    const float g = -a * softplus_f(xg);
+    const float dgraw = -a * sigmoid_f(xg) * d;
+    acc[0] += double(g) * double(d);
+    acc[1] += double(dgraw);
+  }
+};
+
+void require_type(ElementType t, const char* what) {
+  require(t == ElementType::f32 || t == ElementType::bf16,
+          std::string(what) + ": element type must be f32 or bf16");
+}
+
+}  // namespace
+
+void short_conv_silu_train_forward(const float* x, const int32_t* positions, int64_t rows,
+                                   int64_t C, int64_t x_stride, const float* weight, int64_t W,
+                                   OutRows y, cudaStream_t stream) {
+  const char* what = "cuda::short_conv_silu_train_forward";
+  const int64_t xs = x_stride > 0 ? x_stride : C;
+  check_conv_sizes(rows, C, W, xs, what);
+  check_out(y, C, what);
+  require_type(y.type, what);
+  if (rows == 0) return;
+  require(x && positions && weight && y.data, std::string(what) + ": null pointer");
+  require(y.data != static_cast<const void*>(x),
+          std::string(what) + ": y must not overlap x (outputs read earlier rows of x)");
+  const int64_t ys = out_stride(y, C);
+  dispatch_type(y.type, [&](auto* tag) {
+    using OutT = Elem<decltype(tag)>;
+    with_width(W, [&](auto width) {
+      conv_train_forward_kernel<decltype(width)::value, OutT>
+          <<<grid_for(rows * C, kThreads), kThreads, 0, stream>>>(x, positions, rows, C, xs, weight,
+                                                                  static_cast<OutT*>(y.data), ys);
+    });
+  });
+  check_launch(what);
+}
+
+void short_conv_silu_train_backward(const float* x, const int32_t* positions, int64_t rows,
+                                    int64_t C, int64_t x_stride, const float* weight, int64_t W,
+                                    const void* dy, ElementType dy_type, float* dx, float* dweight,
+                                    TrainScratch& scratch, cudaStream_t stream) {
+  const char* what = "cuda::short_conv_silu_train_backward";
+  const int64_t xs = x_stride > 0 ? x_stride : C;
+  check_conv_sizes(rows, C, W, xs, what);
+  require_type(dy_type, what);
+  if (rows == 0) return;
+  require(x && positions && weight && dy && dx && dweight, std::string(what) + ": null pointer");
+  require(static_cast<const void*>(dx) != dy, std::string(what) + ": dx may not alias dy");
+  // Both scratch arrays are reserved before anything is queued (growing one reallocates it).
+  const ChunkPlan plan = chunk_plan(rows, C);
+  double* partials = reserve_partials(scratch, plan, C, int(W), what);
+  scratch.rows.reserve(size_t(rows * C) * sizeof(float));
+  float* da = scratch.rows.as<float>();
+  const unsigned grid = grid_for(rows * C, kThreads);
+  dispatch_type(dy_type, [&](auto* tag) {
+    using DyT = Elem<decltype(tag)>;
+    with_width(W, [&](auto width) {
+      conv_train_da_kernel<decltype(width)::value, DyT><<<grid, kThreads, 0, stream>>>(
+          x, positions, rows, C, xs, weight, static_cast<const DyT*>(dy), da);
+    });
+  });
+  check_launch("cuda::short_conv_silu_train_backward (da)");
+  with_width(W, [&](auto width) {
+    constexpr int kW = decltype(width)::value;
+    conv_train_dx_kernel<kW><<<grid, kThreads, 0, stream>>>(da, positions, rows, C, weight, dx);
+    check_launch("cuda::short_conv_silu_train_backward (dx)");
+    ColumnOuts outs;
+    outs.out[0] = dweight;
+    outs.interleaved = true;
+    column_sums<kW>(rows, C, ConvWeightTerms<kW>{x, da, positions, C, xs}, outs, partials, plan,
+                    stream, "cuda::short_conv_silu_train_backward (dweight)");
+  });
+}
+
+void rotary_embedding(void* x, ElementType type, const int32_t* positions, int64_t rows, int64_t H,
+                      int64_t D, int64_t x_stride, int direction, cudaStream_t stream) {
+  const char* what = "cuda::rotary_embedding";
+  require(rows >= 0 && H >= 1 && D >= 2, std::string(what) + ": sizes must be positive (rows " +
+                                             std::to_string(rows) + ", H " + std::to_string(H) +
+                                             ", D " + std::to_string(D) + ")");
+  require(D % 2 == 0, std::string(what) + ": head dim D must be even, got " + std::to_string(D));
+  require(direction == 1 || direction == -1, std::string(what) + ": direction must be +1 or -1");
+  require_type(type, what);
+  const int64_t xs = x_stride > 0 ? x_stride : H * D;
+  require(xs >= H * D, std::string(what) + ": x_stride smaller than H D");
+  if (rows == 0) return;
+  require(x && positions, std::string(what) + ": null pointer");
+  dispatch_type(type, [&](auto* tag) {
+    using T = Elem<decltype(tag)>;
+    rotary_kernel<T><<<grid_for(rows * (D / 2), kThreads), kThreads, 0, stream>>>(
+        static_cast<T*>(x), positions, rows, H, D, xs, float(direction));
+  });
+  check_launch(what);
+}
+
+void l2norm_rows_forward(const float* x, int64_t rows, int64_t D, OutRows y, cudaStream_t stream) {
+  const char* what = "cuda::l2norm_rows_forward";
+  require(rows >= 0 && D >= 1, std::string(what) + ": sizes must be positive");
+  check_out(y, D, what);
+  require_type(y.type, what);
+  if (rows == 0) return;
+  require(x && y.data, std::string(what) + ": null pointer");
+  const int64_t ys = out_stride(y, D);
+  const bool vec4 = D % 4 == 0 && ys % 4 == 0 && aligned_for(x, 4, 4) &&
+                    aligned_for(y.data, 4, element_bytes(y.type));
+  dispatch_type(y.type, [&](auto* tag) {
+    using OutT = Elem<decltype(tag)>;
+    for_rows(rows, D, vec4, [&](auto team, auto vec, dim3 grid, dim3 block) {
+      l2norm_forward_kernel<decltype(team)::value, decltype(vec)::value>
+          <<<grid, block, 0, stream>>>(x, rows, D, static_cast<OutT*>(y.data), ys);
+    });
+  });
+  check_launch(what);
+}
+
+void l2norm_rows_backward(const float* x, const void* dy, ElementType dy_type, int64_t rows,
+                          int64_t D, float* dx, cudaStream_t stream) {
+  const char* what = "cuda::l2norm_rows_backward";
+  require(rows >= 0 && D >= 1, std::string(what) + ": sizes must be positive");
+  require_type(dy_type, what);
+  if (rows == 0) return;
+  require(x && dy && dx, std::string(what) + ": null pointer");
+  require(dy_type == ElementType::f32 || static_cast<const void*>(dx) != dy,
+          std::string(what) + ": dx may alias dy only when dy is fp32");
+  const bool vec4 = D % 4 == 0 && aligned_for(x, 4, 4) &&
+                    aligned_for(dy, 4, element_bytes(dy_type)) && aligned_for(dx, 4, 4);
+  dispatch_type(dy_type, [&](auto* tag) {
+    using DyT = Elem<decltype(tag)>;
+    for_rows(rows, D, vec4, [&](auto team, auto vec, dim3 grid, dim3 block) {
+      l2norm_backward_kernel<decltype(team)::value, decltype(vec)::value>
+          <<<grid, block, 0, stream>>>(x, static_cast<const DyT*>(dy), rows, D, dx);
+    });
+  });
+  check_launch(what);
+}
+
+void sigmoid_forward(const float* braw, int64_t n, void* beta, ElementType beta_type,
+                     cudaStream_t stream) {
+  const char* what = "cuda::sigmoid_forward";
+  require(n >= 0, std::string(what) + ": n must not be negative");
+  require_type(beta_type, what);
+  if (n == 0) return;
+  require(braw && beta, std::string(what) + ": null pointer");
+  dispatch_type(beta_type, [&](auto* tag) {
+    using OutT = Elem<decltype(tag)>;
+    sigmoid_forward_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(
+        braw, n, static_cast<OutT*>(beta));
+  });
+  check_launch(what);
+}
+
+void sigmoid_backward(const float* braw, const void* dbeta, ElementType dbeta_type, int64_t n,
+                      float* dbraw, cudaStream_t stream) {
+  const char* what = "cuda::sigmoid_backward";
+  require(n >= 0, std::string(what) + ": n must not be negative");
+  require_type(dbeta_type, what);
+  if (n == 0) return;
+  require(braw && dbeta && dbraw, std::string(what) + ": null pointer");
+  require(dbeta_type == ElementType::f32 || static_cast<const void*>(dbraw) != dbeta,
+          std::string(what) + ": dbraw may alias dbeta only when dbeta is fp32");
+  dispatch_type(dbeta_type, [&](auto* tag) {
+    using DT = Elem<decltype(tag)>;
+    sigmoid_backward_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(
+        braw, static_cast<const DT*>(dbeta), n, dbraw);
+  });
+  check_launch(what);
+}
+
+void scalar_gate_forward(const float* graw, const float* A_log, const float* dt_bias, int64_t rows,
+                         int64_t H, void* g, ElementType g_type, cudaStream_t stream) {
+  const char* what = "cuda::scalar_gate_forward";
+  require(rows >= 0 && H >= 1, std::string(what) + ": sizes must be positive");
+  require_type(g_type, what);
+  if (rows == 0) return;
+  require(graw && A_log && dt_bias && g, std::string(what) + ": null pointer");
+  dispatch_type(g_type, [&](auto* tag) {
+    using OutT = Elem<decltype(tag)>;
+    scalar_gate_forward_kernel<<<grid_for(rows * H, kThreads), kThreads, 0, stream>>>(
+        graw, A_log, dt_bias, rows, H, static_cast<OutT*>(g));
+  });
+  check_launch(what);
+}
+
+void scalar_gate_backward(const float* graw, const float* A_log, const float* dt_bias,
+                          const void* dg, ElementType dg_type, int64_t rows, int64_t H,
+                          float* dgraw, float* dA_log, float* ddt_bias, TrainScratch& scratch,
+                          cudaStream_t stream) {
+  const char* what = "cuda::scalar_gate_backward";
+  require(rows >= 0 && H >= 1, std::string(what) + ": sizes must be positive");
+  require_type(dg_type, what);
+  if (rows == 0) return;
+  require(graw && A_log && dt_bias && dg && dgraw && dA_log && ddt_bias,
+          std::string(what) + ": null pointer");
+  require(dg_type == ElementType::f32 || static_cast<const void*>(dgraw) != dg,
+          std::string(what) + ": dgraw may alias dg only when dg is fp32");
+  const ChunkPlan plan = chunk_plan(rows, H);
+  double* partials = reserve_partials(scratch, plan, H, 2, what);
+  dispatch_type(dg_type, [&](auto* tag) {
+    using DT = Elem<decltype(tag)>;
+    const DT* dgp = static_cast<const DT*>(dg);
+    // The sums read graw and dg first, so dgraw may overwrite either afterwards.
+    ColumnOuts outs;
+    outs.out[0] = dA_log;
+    outs.out[1] = ddt_bias;
+    column_sums<2>(rows, H, ScalarGateTerms<DT>{graw, A_log, dt_bias, dgp, H}, outs, partials, plan,
+                   stream, "cuda::scalar_gate_backward (dA_log, ddt_bias)");
+    scalar_gate_dgraw_kernel<<<grid_for(rows * H, kThreads), kThreads, 0, stream>>>(
+        graw, A_log, dt_bias, dgp, rows, H, dgraw);
+    check_launch("cuda::scalar_gate_backward (dgraw)");
+  });
+}
+
+void sequence_positions(std::span<const int64_t> cu_seqlens, int64_t B, int64_t T,
+                        int32_t* positions, cudaStream_t stream) {
+  const char* what = "cuda::sequence_positions";
+  require(B >= 0 && T >= 0, std::string(what) + ": B and T must not be negative");
+  const int64_t rows = B * T;
+  require(rows < (int64_t(1) << 31), std::string(what) + ": too many tokens for int32 positions");
+  std::vector<int32_t> host(static_cast<size_t>(rows));
+  if (cu_seqlens.empty()) {
+    for (int64_t r = 0; r < rows; ++r) host[r] = int32_t(r % T);
+  } else {
+    require(cu_seqlens.size() >= 2 && cu_seqlens.front() == 0 && cu_seqlens.back() == rows,
+            std::string(what) +
+                ": cu_seqlens must start at 0 and end at B T = " + std::to_string(rows));
+    for (size_t n = 0; n + 1 < cu_seqlens.size(); ++n)
+      require(cu_seqlens[n + 1] >= cu_seqlens[n],
+              std::string(what) + ": cu_seqlens must not decrease");
+    for (size_t n = 0; n + 1 < cu_seqlens.size(); ++n)
+      for (int64_t r = cu_seqlens[n]; r < cu_seqlens[n + 1]; ++r)
+        host[r] = int32_t(r - cu_seqlens[n]);
+  }
+  if (rows == 0) return;
+  require(positions != nullptr, std::string(what) + ": null pointer");
+  check_cuda(cudaMemcpyAsync(positions, host.data(), size_t(rows) * sizeof(int32_t),
+                             cudaMemcpyHostToDevice, stream),
+             "cuda::sequence_positions (copy)");
+  // `host` dies on return: wait for the copy.
+  check_cuda(cudaStreamSynchronize(stream), "cuda::sequence_positions (sync)");
+}
+
+}  // namespace kda::ops::cuda

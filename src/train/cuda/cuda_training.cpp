@@ -1,0 +1,25 @@
+#include "train/cuda/cuda_training.h"
+
+#include <memory>
+#include <string>
+
+#include "core/error.h"
+#include "train/cuda/lineage_cuda_model.h"
+#include "train/model_factory.h"
+
+namespace kda::train::cuda {
+
+void register_cuda_training() {
+  register_training_device(
+      "cuda", [](const nlohmann::json& config, std::unique_ptr<TrainableModel> host) {
+        const std::string type = config.value("model_type", std::string());
+        auto* lineage = dynamic_cast<LineageModel*>(host.get());
+        require(lineage != nullptr, "train --device cuda: model_type '" + type +
+                                        "' trains on the CPU only (the GPU trains kda_lineage)");
+        host.release();
+        return std::unique_ptr<TrainableModel>(
+            std::make_unique<LineageCudaModel>(std::unique_ptr<LineageModel>(lineage)));
+      });
+}
+
+}  // namespace kda::train::cuda

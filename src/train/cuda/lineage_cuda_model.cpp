@@ -1,0 +1,612 @@
+#include "train/cuda/lineage_cuda_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "core/error.h"
+#include "model/cuda/gpt2_train_kernels.h"
+#include "ops/attention/cuda/attention_cuda.h"
+#include "ops/delta_rule/cuda/delta_rule_cuda.h"
+#include "ops/gemm/cuda/gemm_cuda.h"
+#include "ops/nn/cuda/nn_cuda.h"
+#include "ops/nn/cuda/train_cuda.h"
+#include "ops/nn/cuda/train_mixer_cuda.h"
+#include "train/cuda/device_params.h"
+#include "train/mixer_layer.h"
+
+namespace kda::train::cuda {
+
+namespace k = ops::cuda;
+using k::check_cuda;
+using k::DeviceBuffer;
+using k::ElementType;
+using Entry = DeviceParams::Entry;
+
+namespace {
+
+constexpr ElementType kF32 = ElementType::f32;
+constexpr ElementType kBf16 = ElementType::bf16;
+
+template <class T = char>
+T* offset(const DeviceBuffer& b, int64_t elements, size_t element_bytes) {
+  return reinterpret_cast<T*>(b.as<char>() + size_t(elements) * element_bytes);
+}
+
+void copy_device(void* to, const void* from, size_t bytes, cudaStream_t s) {
+  check_cuda(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync");
+}
+
+}  // namespace
+
+// One block's parameters (device entries) and kind.
+struct LineageCudaModel::Layer {
+  MixerKind kind = MixerKind::softmax;
+  bool rope = false;
+  Entry *norm1 = nullptr, *norm2 = nullptr, *W1 = nullptr, *W3 = nullptr, *W2 = nullptr;
+  Entry *Wq = nullptr, *Wk = nullptr, *Wv = nullptr, *Wo = nullptr, *Wb = nullptr, *Wg = nullptr;
+  Entry *A_log = nullptr, *dt_bias = nullptr;
+  Entry* conv[3] = {nullptr, nullptr, nullptr};
+  bool delta_family() const {
+    return kind == MixerKind::delta || kind == MixerKind::gated_delta || kind == MixerKind::kda;
+  }
+};
+
+struct LineageCudaModel::Engines {
+  explicit Engines(cudaStream_t s) : gemm(s), wgrad(s) {}
+  k::Gemm gemm;
+  model::cuda::WeightGradGemm wgrad;
+  k::TrainScratch scratch;
+};
+
+// What the forward keeps for the backward (per layer), and the backward's scratch, for R rows.
+struct LineageCudaModel::Activations {
+  int64_t R = 0;
+  DeviceBuffer ids, targets, positions, result;  // result: loss sum (f32), correct, scored (i32)
+  std::vector<DeviceBuffer> h;  // residual stream fp32 [R, d]: h[2l] enters layer l's mixer,
+                                // h[2l + 1] its MLP, h[2L] the final norm
+  struct PerLayer {
+    DeviceBuffer inv1, a_c, qkv32, q_c, k_c, v_c, g_c, b_c, braw32, graw32, qa32, ka32, o32, lse,
+        o_c, inv2, m_c, up32, act_c;
+  };
+  std::vector<PerLayer> layers;
+  DeviceBuffer invf, hf_c, logits;
+  DeviceBuffer dh, dtmp, dan, dy_c, d32a, d32b, dbig32, do_c, dq_c, dk_c, dv_c, dg_c, db_c, dA, ddt,
+      workspace;
+};
+
+LineageCudaModel::LineageCudaModel(std::unique_ptr<LineageModel> host) : host_(std::move(host)) {
+  const LineageConfig& c = host_->config();
+  for (char letter : c.pattern) {
+    const MixerKind kind = mixer_from_letter(letter);
+    require(
+        kind != MixerKind::linear && kind != MixerKind::mla,
+        "lineage model (cuda): " + mixer_name(kind) +
+            " layers train on the CPU only (softmax, delta, gated_delta and kda run on the GPU)");
+  }
+  require(c.head_dim == 64 || c.head_dim == 128,
+          "lineage model (cuda): head_dim must be 64 or 128 (the chunked kernels' sizes)");
+  check_cuda(cudaStreamCreate(&stream_), "cudaStreamCreate");
+  params_ = std::make_unique<DeviceParams>(host_->params(), stream_);
+  engines_ = std::make_unique<Engines>(stream_);
+  const bool all_softmax = c.pattern.find_first_not_of('A') == std::string::npos;
+  for (size_t l = 0; l < c.pattern.size(); ++l) {
+    const std::string pre = "layers." + std::to_string(l) + ".";
+    auto p = [&](const std::string& name) { return &params_->at(pre + name); };
+    Layer L;
+    L.kind = mixer_from_letter(c.pattern[l]);
+    L.rope = all_softmax;
+    L.norm1 = p("norm1");
+    L.norm2 = p("norm2");
+    L.W1 = p("mlp.gate");
+    L.W3 = p("mlp.up");
+    L.W2 = p("mlp.down");
+    L.Wq = p("mixer.q");
+    L.Wk = p("mixer.k");
+    L.Wv = p("mixer.v");
+    L.Wo = p("mixer.o");
+    if (L.delta_family()) {
+      L.Wb = p("mixer.b");
+      L.conv[0] = p("mixer.q_conv");
+      L.conv[1] = p("mixer.k_conv");
+      L.conv[2] = p("mixer.v_conv");
+    }
+    if (L.kind == MixerKind::gated_delta || L.kind == MixerKind::kda) {
+      L.Wg = p("mixer.g");
+      L.A_log = p("mixer.A_log");
+      L.dt_bias = p("mixer.dt_bias");
+    }
+    layers_.push_back(L);
+  }
+}
+
+LineageCudaModel::~LineageCudaModel() {
+  if (stream_) cudaStreamSynchronize(stream_);
+  acts_.reset();
+  engines_.reset();
+  params_.reset();
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+void LineageCudaModel::zero_grad() {
+  params_->zero_grads();
+}
+void LineageCudaModel::scale_grads(float s) {
+  params_->scale_grads(s);
+}
+void LineageCudaModel::pull_values() {
+  params_->pull();
+}
+void LineageCudaModel::push_values() {
+  params_->push();
+}
+std::vector<float> LineageCudaModel::gradient(const std::string& name) {
+  return params_->gradient(name);
+}
+
+std::unique_ptr<Optimizer> LineageCudaModel::make_optimizer(const AdamWConfig& config) {
+  require(config.lr > 0 && config.total_steps >= 1, "adamw: lr and total_steps must be positive");
+  return std::make_unique<DeviceAdamW>(*params_, config);
+}
+
+void LineageCudaModel::ensure_activations(int64_t R) {
+  if (acts_ && acts_->R == R) return;
+  acts_.reset();  // free the old sizes first
+  const LineageConfig& c = host_->config();
+  const int64_t d = c.width, H = c.heads, inner = H * c.head_dim, F = c.mlp_hidden, V = c.vocab;
+  auto a = std::make_unique<Activations>();
+  a->R = R;
+  const auto f32 = [](int64_t n) { return DeviceBuffer(size_t(n) * 4); };
+  const auto bf = [](int64_t n) { return DeviceBuffer(size_t(n) * 2); };
+  a->ids = DeviceBuffer(size_t(R) * 4);
+  a->targets = DeviceBuffer(size_t(R) * 4);
+  a->positions = DeviceBuffer(size_t(R) * 4);
+  a->result = DeviceBuffer(16);
+  for (size_t i = 0; i <= 2 * layers_.size(); ++i) a->h.push_back(f32(R * d));
+  for (const Layer& L : layers_) {
+    Activations::PerLayer p;
+    p.inv1 = f32(R);
+    p.a_c = bf(R * d);
+    p.qkv32 = f32(R * 3 * inner);
+    p.q_c = bf(R * inner);
+    p.k_c = bf(R * inner);
+    p.v_c = bf(R * inner);
+    if (L.kind == MixerKind::softmax) {
+      p.o32 = f32(R * inner);
+      p.lse = f32(R * H);
+    }
+    if (L.delta_family()) p.b_c = bf(R * H);
+    if (L.kind == MixerKind::kda) p.g_c = bf(R * inner);
+    if (L.kind == MixerKind::delta || L.kind == MixerKind::gated_delta) {
+      p.braw32 = f32(R * H);
+      p.qa32 = f32(R * inner);
+      p.ka32 = f32(R * inner);
+    }
+    if (L.kind == MixerKind::gated_delta) {
+      p.graw32 = f32(R * H);
+      p.g_c = bf(R * H);
+    }
+    p.o_c = bf(R * inner);
+    p.inv2 = f32(R);
+    p.m_c = bf(R * d);
+    p.up32 = f32(R * 2 * F);
+    p.act_c = bf(R * F);
+    a->layers.push_back(std::move(p));
+  }
+  a->invf = f32(R);
+  a->hf_c = bf(R * d);
+  a->logits = f32(R * V);
+  a->dh = f32(R * d);
+  a->dtmp = f32(R * d);
+  a->dan = f32(R * d);
+  a->dy_c = bf(R * std::max({V, 2 * F, d, inner}));
+  a->d32a = f32(R * std::max(F, inner));
+  a->d32b = f32(R * inner);
+  a->dbig32 = f32(R * 2 * F);
+  a->do_c = bf(R * inner);
+  a->dq_c = bf(R * inner);
+  a->dk_c = bf(R * inner);
+  a->dv_c = bf(R * inner);
+  a->dg_c = bf(R * inner);
+  a->db_c = bf(R * H);
+  a->dA = f32(H);
+  a->ddt = f32(inner);
+  acts_ = std::move(a);
+}
+
+namespace {
+
+// The attention calls of one layer: one batched call over B rows of T tokens, or one call per
+// packed document.
+template <class Fn>
+void for_each_attention(int64_t B, int64_t T, const std::vector<int64_t>& cu_seqlens, Fn&& fn) {
+  if (cu_seqlens.empty()) {
+    fn(int64_t(0), T, B);
+    return;
+  }
+  for (size_t n = 0; n + 1 < cu_seqlens.size(); ++n)
+    fn(cu_seqlens[n], cu_seqlens[n + 1] - cu_seqlens[n], int64_t(1));
+}
+
+}  // namespace
+
+void LineageCudaModel::mixer_forward(Layer& L, int64_t l, int64_t B, int64_t T) {
+  const LineageConfig& c = host_->config();
+  Activations& a = *acts_;
+  Activations::PerLayer& P = a.layers[size_t(l)];
+  k::Gemm& gemm = engines_->gemm;
+  const cudaStream_t s = stream_;
+  const int64_t R = a.R, d = c.width, H = c.heads, dh = c.head_dim, inner = H * dh;
+  const int32_t* positions = a.positions.as<int32_t>();
+  // q, k, v projections: fp32 column blocks of qkv32 [R, 3 inner]
+  const Entry* Wqkv[3] = {L.Wq, L.Wk, L.Wv};
+  for (int j = 0; j < 3; ++j)
+    gemm.linear(kBf16, R, inner, d, {P.a_c.data(), d}, {Wqkv[j]->compute(), d},
+                {offset(P.qkv32, j * inner, 4), kF32, 3 * inner});
+  const auto qkv = [&](int j) { return offset<float>(P.qkv32, j * inner, 4); };
+  DeviceBuffer* qkv_c[3] = {&P.q_c, &P.k_c, &P.v_c};
+
+  if (L.kind == MixerKind::softmax) {
+    if (L.rope)
+      for (int j = 0; j < 2; ++j)
+        k::rotary_embedding(qkv(j), kF32, positions, R, H, dh, 3 * inner, +1, s);
+    for (int j = 0; j < 3; ++j)
+      k::copy_rows(qkv(j), R, inner, 3 * inner, {qkv_c[j]->data(), kBf16}, s);
+    for_each_attention(B, T, cu_seqlens_, [&](int64_t r0, int64_t len, int64_t batch) {
+      k::AttentionArgs args;
+      args.dtype = kBf16;
+      args.Tq = args.Tk = len;
+      args.Hq = args.Hkv = H;
+      args.Dk = args.Dv = dh;
+      args.q = offset(P.q_c, r0 * inner, 2);
+      args.k = offset(P.k_c, r0 * inner, 2);
+      args.v = offset(P.v_c, r0 * inner, 2);
+      args.o = offset<float>(P.o32, r0 * inner, 4);
+      args.lse = offset<float>(P.lse, r0 * H, 4);
+      args.batch = batch;
+      k::attention_forward(args, a.workspace.data(), a.workspace.bytes(), s);
+    });
+    k::convert(P.o32.data(), kF32, P.o_c.data(), kBf16, R * inner, s);
+    return;
+  }
+
+  // the delta-rule family: short convolution + SiLU on q, k, v (zero state at every sequence)
+  const bool kda = L.kind == MixerKind::kda;
+  for (int j = 0; j < 3; ++j) {
+    const bool normalised_later = !kda && j < 2;  // DeltaNet / GDN normalise q, k outside
+    k::OutRows out{qkv_c[j]->data(), kBf16, 0};
+    if (normalised_later) out = {(j == 0 ? P.qa32 : P.ka32).data(), kF32, 0};
+    k::short_conv_silu_train_forward(qkv(j), positions, R, inner, 3 * inner, L.conv[j]->f(),
+                                     kShortConvWidth, out, s);
+  }
+  k::DeltaRuleDeviceInputs in;
+  const bool packed = !cu_seqlens_.empty();
+  in.shape = {packed ? 1 : B, packed ? R : T, H, H, dh, dh, ops::Gate::none, 0};
+  in.dtype = kBf16;
+  in.q = P.q_c.data();
+  in.k = P.k_c.data();
+  in.v = P.v_c.data();
+  in.beta = P.b_c.data();
+  in.cu_seqlens = cu_seqlens_;
+  if (kda) {
+    in.shape.gate = ops::Gate::channel;
+    gemm.linear(kBf16, R, inner, d, {P.a_c.data(), d}, {L.Wg->compute(), d}, {P.g_c.data(), kBf16});
+    gemm.linear(kBf16, R, H, d, {P.a_c.data(), d}, {L.Wb->compute(), d}, {P.b_c.data(), kBf16});
+    in.g = P.g_c.data();
+    in.kda_layer.l2norm_qk = true;
+    in.kda_layer.gate_in_kernel = true;
+    in.kda_layer.gate = c.kda_options().gate;
+    in.kda_layer.lower_bound = float(LineageConfig::kKdaLowerBound);
+    in.kda_layer.A_log = L.A_log->f();
+    in.kda_layer.dt_bias = L.dt_bias->f();
+    in.kda_layer.beta_sigmoid = true;
+  } else {
+    k::l2norm_rows_forward(P.qa32.as<float>(), R * H, dh, {P.q_c.data(), kBf16}, s);
+    k::l2norm_rows_forward(P.ka32.as<float>(), R * H, dh, {P.k_c.data(), kBf16}, s);
+    gemm.linear(kBf16, R, H, d, {P.a_c.data(), d}, {L.Wb->compute(), d}, {P.braw32.data(), kF32});
+    k::sigmoid_forward(P.braw32.as<float>(), R * H, P.b_c.data(), kBf16, s);
+    if (L.kind == MixerKind::gated_delta) {
+      in.shape.gate = ops::Gate::scalar;
+      gemm.linear(kBf16, R, H, d, {P.a_c.data(), d}, {L.Wg->compute(), d}, {P.graw32.data(), kF32});
+      k::scalar_gate_forward(P.graw32.as<float>(), L.A_log->f(), L.dt_bias->f(), R, H, P.g_c.data(),
+                             kBf16, s);
+      in.g = P.g_c.data();
+    }
+  }
+  k::chunk_forward(in, P.o_c.data(), nullptr, a.workspace.data(), a.workspace.bytes(), s);
+}
+
+namespace {
+
+// dW[out, in] += dy^T x and dx[rows, in] (=, or += with accumulate) dy W, with dy bf16
+// [rows, out] (row stride ld_dy) and x bf16 [rows, in] (row stride ld_x); no dx when dx.data
+// is null.
+void linear_backward(k::Gemm& gemm, model::cuda::WeightGradGemm& wgrad, int64_t rows, int64_t in,
+                     int64_t out, const void* dy_c, int64_t ld_dy, const void* x_c, int64_t ld_x,
+                     const Entry& W, k::Gemm::Output dx, bool accumulate) {
+  wgrad.weight_gradient(kBf16, rows, out, in, dy_c, ld_dy, x_c, ld_x, W.g(), 1.f);
+  if (dx.data)
+    gemm.matmul(kBf16, rows, in, out, {dy_c, ld_dy}, {W.compute(), in}, dx, 1.f,
+                accumulate ? 1.f : 0.f);
+}
+
+}  // namespace
+
+void LineageCudaModel::mixer_backward(Layer& L, int64_t l, int64_t B, int64_t T) {
+  const LineageConfig& c = host_->config();
+  Activations& a = *acts_;
+  Activations::PerLayer& P = a.layers[size_t(l)];
+  k::Gemm& gemm = engines_->gemm;
+  auto& wgrad = engines_->wgrad;
+  k::TrainScratch& scratch = engines_->scratch;
+  const cudaStream_t s = stream_;
+  const int64_t R = a.R, d = c.width, H = c.heads, dh = c.head_dim, inner = H * dh;
+  const int32_t* positions = a.positions.as<int32_t>();
+  const Entry* Wqkv[3] = {L.Wq, L.Wk, L.Wv};
+  float* dan = a.dan.as<float>();
+  // d(pre-projection input) of q / k / v from an fp32 gradient: cast, then the GEMMs
+  const auto project_back_f32 = [&](int j, const float* dpre, int64_t width, const Entry& W) {
+    k::convert(dpre, kF32, a.dy_c.data(), kBf16, R * width, s);
+    linear_backward(gemm, wgrad, R, d, width, a.dy_c.data(), width, P.a_c.data(), d, W, {dan, kF32},
+                    j > 0);
+  };
+
+  if (L.kind == MixerKind::softmax) {
+    for_each_attention(B, T, cu_seqlens_, [&](int64_t r0, int64_t len, int64_t batch) {
+      k::AttentionArgs args;
+      args.dtype = kBf16;
+      args.Tq = args.Tk = len;
+      args.Hq = args.Hkv = H;
+      args.Dk = args.Dv = dh;
+      args.q = offset(P.q_c, r0 * inner, 2);
+      args.k = offset(P.k_c, r0 * inner, 2);
+      args.v = offset(P.v_c, r0 * inner, 2);
+      args.o = offset<float>(P.o32, r0 * inner, 4);
+      args.batch = batch;
+      k::attention_backward(args, offset<float>(P.lse, r0 * H, 4), offset(a.do_c, r0 * inner, 2),
+                            offset(a.dq_c, r0 * inner, 2), offset(a.dk_c, r0 * inner, 2),
+                            offset(a.dv_c, r0 * inner, 2), a.workspace.data(), a.workspace.bytes(),
+                            s);
+    });
+    if (L.rope) {  // the gradient rotates back
+      k::rotary_embedding(a.dq_c.data(), kBf16, positions, R, H, dh, 0, -1, s);
+      k::rotary_embedding(a.dk_c.data(), kBf16, positions, R, H, dh, 0, -1, s);
+    }
+    const DeviceBuffer* dqkv[3] = {&a.dq_c, &a.dk_c, &a.dv_c};
+    for (int j = 0; j < 3; ++j)
+      linear_backward(gemm, wgrad, R, d, inner, dqkv[j]->data(), inner, P.a_c.data(), d, *Wqkv[j],
+                      {dan, kF32}, j > 0);
+    return;
+  }
+
+  const bool kda = L.kind == MixerKind::kda;
+  const bool gated = L.kind == MixerKind::gated_delta;
+  k::DeltaRuleDeviceInputs in;
+  const bool packed = !cu_seqlens_.empty();
+  in.shape = {packed ? 1 : B, packed ? R : T, H, H, dh, dh, ops::Gate::none, 0};
+  in.dtype = kBf16;
+  in.q = P.q_c.data();
+  in.k = P.k_c.data();
+  in.v = P.v_c.data();
+  in.beta = P.b_c.data();
+  in.cu_seqlens = cu_seqlens_;
+  k::DeltaRuleDeviceGrads grads;
+  grads.dq = a.dq_c.data();
+  grads.dk = a.dk_c.data();
+  grads.dv = a.dv_c.data();
+  grads.dbeta = a.db_c.data();
+  if (kda) {
+    in.shape.gate = ops::Gate::channel;
+    in.g = P.g_c.data();
+    in.kda_layer.l2norm_qk = true;
+    in.kda_layer.gate_in_kernel = true;
+    in.kda_layer.gate = c.kda_options().gate;
+    in.kda_layer.lower_bound = float(LineageConfig::kKdaLowerBound);
+    in.kda_layer.A_log = L.A_log->f();
+    in.kda_layer.dt_bias = L.dt_bias->f();
+    in.kda_layer.beta_sigmoid = true;
+    grads.dg = a.dg_c.data();
+    grads.dA_log = a.dA.as<float>();
+    grads.ddt_bias = a.ddt.as<float>();
+  } else if (gated) {
+    in.shape.gate = ops::Gate::scalar;
+    in.g = P.g_c.data();
+    grads.dg = a.dg_c.data();
+  }
+  k::chunk_backward(in, a.do_c.data(), nullptr, grads, a.workspace.data(), a.workspace.bytes(), s);
+  if (kda) {  // the kernel overwrites; parameter gradients accumulate
+    k::add_inplace(L.A_log->g(), a.dA.as<float>(), H, s);
+    k::add_inplace(L.dt_bias->g(), a.ddt.as<float>(), inner, s);
+  }
+  // q, k, v: (L2 norm,) then the short convolutions back to the projections
+  const DeviceBuffer* dqkv[3] = {&a.dq_c, &a.dk_c, &a.dv_c};
+  const DeviceBuffer* activated[2] = {&P.qa32, &P.ka32};
+  float* dpre = a.d32b.as<float>();
+  for (int j = 0; j < 3; ++j) {
+    const void* dconv = dqkv[j]->data();
+    ElementType dconv_type = kBf16;
+    if (!kda && j < 2) {  // through the L2 norm first
+      k::l2norm_rows_backward(activated[j]->as<float>(), dqkv[j]->data(), kBf16, R * H, dh,
+                              a.d32a.as<float>(), s);
+      dconv = a.d32a.data();
+      dconv_type = kF32;
+    }
+    k::short_conv_silu_train_backward(offset<float>(P.qkv32, j * inner, 4), positions, R, inner,
+                                      3 * inner, L.conv[j]->f(), kShortConvWidth, dconv, dconv_type,
+                                      dpre, L.conv[j]->g(), scratch, s);
+    project_back_f32(j, dpre, inner, *Wqkv[j]);
+  }
+  if (kda) {  // dgraw, dbraw come out of the kernel in bf16
+    linear_backward(gemm, wgrad, R, d, inner, a.dg_c.data(), inner, P.a_c.data(), d, *L.Wg,
+                    {dan, kF32}, true);
+    linear_backward(gemm, wgrad, R, d, H, a.db_c.data(), H, P.a_c.data(), d, *L.Wb, {dan, kF32},
+                    true);
+    return;
+  }
+  k::sigmoid_backward(P.braw32.as<float>(), a.db_c.data(), kBf16, R * H, a.d32a.as<float>(), s);
+  project_back_f32(1, a.d32a.as<float>(), H, *L.Wb);
+  if (gated) {
+    k::scalar_gate_backward(P.graw32.as<float>(), L.A_log->f(), L.dt_bias->f(), a.dg_c.data(),
+                            kBf16, R, H, a.d32a.as<float>(), L.A_log->g(), L.dt_bias->g(), scratch,
+                            s);
+    project_back_f32(1, a.d32a.as<float>(), H, *L.Wg);
+  }
+}
+
+StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32_t* targets,
+                                              int64_t B, int64_t T, bool backward,
+                                              std::span<const int64_t> cu_seqlens) {
+  const LineageConfig& c = host_->config();
+  const int64_t d = c.width, H = c.heads, dh = c.head_dim, inner = H * dh, F = c.mlp_hidden,
+                V = c.vocab, R = B * T, L = int64_t(layers_.size());
+  require(B >= 1 && T >= 1, "lineage model (cuda): B and T must be >= 1");
+  const std::vector<int64_t> segments = document_segments(cu_seqlens, B, T, "lineage model (cuda)");
+  cu_seqlens_.assign(cu_seqlens.begin(), cu_seqlens.end());
+  for (int64_t r = 0; r < R; ++r) {
+    require(inputs[r] >= 0 && inputs[r] < V, "lineage model (cuda): token id " +
+                                                 std::to_string(inputs[r]) +
+                                                 " is outside the vocabulary");
+    require(targets[r] >= -1 && targets[r] < V, "lineage model (cuda): target " +
+                                                    std::to_string(targets[r]) +
+                                                    " is outside the vocabulary (or -1)");
+  }
+  ensure_activations(R);
+  Activations& a = *acts_;
+  k::Gemm& gemm = engines_->gemm;
+  auto& wgrad = engines_->wgrad;
+  k::TrainScratch& scratch = engines_->scratch;
+  const cudaStream_t s = stream_;
+  const float eps = c.norm_eps;
+
+  // workspace for this call's shapes (sized before anything is queued: growing frees memory)
+  size_t workspace = 256;
+  {
+    const bool packed = !cu_seqlens_.empty();
+    for (const Layer& Lr : layers_) {
+      if (Lr.kind == MixerKind::softmax) {
+        for_each_attention(B, T, cu_seqlens_, [&](int64_t, int64_t len, int64_t batch) {
+          k::AttentionArgs args;
+          args.dtype = kBf16;
+          args.Tq = args.Tk = len;
+          args.Hq = args.Hkv = H;
+          args.Dk = args.Dv = dh;
+          args.batch = batch;
+          args.lse = a.layers[0].lse.as<float>();  // any: sizes the direct path
+          workspace = std::max({workspace, k::attention_workspace_bytes(args),
+                                k::attention_backward_workspace_bytes(args)});
+        });
+      } else {
+        ops::DeltaRuleShape shape{
+            packed ? 1 : B, packed ? R : T, H, H, dh, dh, ops::Gate::channel, 0};
+        if (Lr.kind != MixerKind::kda)
+          shape.gate = Lr.kind == MixerKind::gated_delta ? ops::Gate::scalar : ops::Gate::none;
+        workspace = std::max(
+            {workspace, k::chunk_forward_workspace_bytes(shape, cu_seqlens_),
+             backward ? k::chunk_backward_workspace_bytes(shape, cu_seqlens_) : size_t(0)});
+      }
+    }
+    if (workspace > a.workspace.bytes()) {
+      check_cuda(cudaStreamSynchronize(s), "lineage model (cuda): workspace");
+      a.workspace.resize(workspace);
+    }
+  }
+
+  check_cuda(cudaMemcpyAsync(a.ids.data(), inputs, size_t(R) * 4, cudaMemcpyHostToDevice, s),
+             "cudaMemcpyAsync (ids)");
+  check_cuda(cudaMemcpyAsync(a.targets.data(), targets, size_t(R) * 4, cudaMemcpyHostToDevice, s),
+             "cudaMemcpyAsync (targets)");
+  k::sequence_positions(cu_seqlens_, B, T, a.positions.as<int32_t>(), s);
+
+  // ---- forward ----
+  Entry& embed = params_->at("embed");
+  Entry& final_norm = params_->at("final_norm");
+  Entry& lm_head = params_->at("lm_head");
+  k::embedding(a.ids.as<int32_t>(), R, embed.value.data(), nullptr, 0, kF32, d, a.h[0].as<float>(),
+               s);
+  for (int64_t l = 0; l < L; ++l) {
+    Layer& W = layers_[size_t(l)];
+    Activations::PerLayer& P = a.layers[size_t(l)];
+    float* x_in = a.h[size_t(2 * l)].as<float>();
+    float* x_mid = a.h[size_t(2 * l + 1)].as<float>();
+    float* x_out = a.h[size_t(2 * l + 2)].as<float>();
+    k::rms_norm_forward_train(x_in, R, d, W.norm1->f(), eps, {P.a_c.data(), kBf16},
+                              P.inv1.as<float>(), s);
+    mixer_forward(W, l, B, T);
+    copy_device(x_mid, x_in, size_t(R * d) * 4, s);
+    gemm.linear(kBf16, R, d, inner, {P.o_c.data(), inner}, {W.Wo->compute(), inner}, {x_mid, kF32},
+                1.f, 1.f);
+    k::rms_norm_forward_train(x_mid, R, d, W.norm2->f(), eps, {P.m_c.data(), kBf16},
+                              P.inv2.as<float>(), s);
+    gemm.linear(kBf16, R, F, d, {P.m_c.data(), d}, {W.W1->compute(), d},
+                {P.up32.data(), kF32, 2 * F});
+    gemm.linear(kBf16, R, F, d, {P.m_c.data(), d}, {W.W3->compute(), d},
+                {offset(P.up32, F, 4), kF32, 2 * F});
+    k::swiglu(P.up32.as<float>(), R, F, {P.act_c.data(), kBf16}, s);
+    copy_device(x_out, x_mid, size_t(R * d) * 4, s);
+    gemm.linear(kBf16, R, d, F, {P.act_c.data(), F}, {W.W2->compute(), F}, {x_out, kF32}, 1.f, 1.f);
+  }
+  const float* x_final = a.h[size_t(2 * L)].as<float>();
+  k::rms_norm_forward_train(x_final, R, d, final_norm.f(), eps, {a.hf_c.data(), kBf16},
+                            a.invf.as<float>(), s);
+  float* logits = a.logits.as<float>();
+  gemm.linear(kBf16, R, V, d, {a.hf_c.data(), d}, {lm_head.compute(), d}, {logits, kF32});
+  float* loss_sum = a.result.as<float>();
+  int32_t* correct = offset<int32_t>(a.result, 1, 4);
+  int32_t* scored = offset<int32_t>(a.result, 2, 4);
+  k::cross_entropy_forward_backward(logits, kF32, a.targets.as<int32_t>(), R, V, logits, loss_sum,
+                                    correct, scored, scratch, s);
+  struct {
+    float loss_sum;
+    int32_t correct, scored;
+  } host_result{};
+  check_cuda(cudaMemcpyAsync(&host_result, a.result.data(), 12, cudaMemcpyDeviceToHost, s),
+             "cudaMemcpyAsync (loss)");
+
+  if (backward) {
+    float* dh = a.dh.as<float>();
+    float* dtmp = a.dtmp.as<float>();
+    float* dan = a.dan.as<float>();
+    // head: dhf = dlogits . lm_head, dlm_head += dlogits^T hf; then the final norm
+    k::convert(logits, kF32, a.dy_c.data(), kBf16, R * V, s);
+    linear_backward(gemm, wgrad, R, d, V, a.dy_c.data(), V, a.hf_c.data(), d, lm_head, {dtmp, kF32},
+                    false);
+    k::rms_norm_backward(x_final, dtmp, R, d, final_norm.f(), a.invf.as<float>(), dh,
+                         final_norm.g(), scratch, s);
+    for (int64_t l = L - 1; l >= 0; --l) {
+      Layer& W = layers_[size_t(l)];
+      Activations::PerLayer& P = a.layers[size_t(l)];
+      const float* x_in = a.h[size_t(2 * l)].as<float>();
+      const float* x_mid = a.h[size_t(2 * l + 1)].as<float>();
+      // MLP (dh: the gradient of x_out)
+      k::convert(dh, kF32, a.dy_c.data(), kBf16, R * d, s);
+      linear_backward(gemm, wgrad, R, F, d, a.dy_c.data(), d, P.act_c.data(), F, *W.W2,
+                      {a.d32a.data(), kF32}, false);
+      k::swiglu_backward(P.up32.as<float>(), a.d32a.as<float>(), R, F, a.dbig32.as<float>(), s);
+      k::convert(a.dbig32.data(), kF32, a.dy_c.data(), kBf16, R * 2 * F, s);
+      linear_backward(gemm, wgrad, R, d, F, a.dy_c.data(), 2 * F, P.m_c.data(), d, *W.W1,
+                      {dtmp, kF32}, false);
+      linear_backward(gemm, wgrad, R, d, F, offset(a.dy_c, F, 2), 2 * F, P.m_c.data(), d, *W.W3,
+                      {dtmp, kF32}, true);
+      k::rms_norm_backward(x_mid, dtmp, R, d, W.norm2->f(), P.inv2.as<float>(), dtmp, W.norm2->g(),
+                           scratch, s);
+      k::add_inplace(dh, dtmp, R * d, s);
+      // mixer (dh: the gradient of x_mid); d_o in bf16 for the mixers' backward
+      k::convert(dh, kF32, a.dy_c.data(), kBf16, R * d, s);
+      linear_backward(gemm, wgrad, R, inner, d, a.dy_c.data(), d, P.o_c.data(), inner, *W.Wo,
+                      {a.do_c.data(), kBf16}, false);
+      mixer_backward(W, l, B, T);
+      k::rms_norm_backward(x_in, dan, R, d, W.norm1->f(), P.inv1.as<float>(), dan, W.norm1->g(),
+                           scratch, s);
+      k::add_inplace(dh, dan, R * d, s);
+    }
+    k::embedding_backward(a.ids.as<int32_t>(), dh, R, d, V, embed.g(), scratch, s);
+  }
+  check_cuda(cudaStreamSynchronize(s), "lineage model (cuda): step");
+  StepResult result;
+  result.scored = host_result.scored;
+  result.correct = host_result.correct;
+  result.loss = host_result.scored > 0 ? double(host_result.loss_sum) / host_result.scored : 0.0;
+  return result;
+}
+
+}  // namespace kda::train::cuda
