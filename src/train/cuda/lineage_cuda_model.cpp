@@ -60,15 +60,17 @@ struct LineageCudaModel::Engines {
 };
 
 // What the forward keeps for the backward (per layer), and the backward's scratch, for R rows.
+// What the forward keeps of one layer for the backward.
+struct LineageCudaModel::PerLayer {
+  DeviceBuffer inv1, a_c, qkv32, q_c, k_c, v_c, g_c, b_c, braw32, graw32, qa32, ka32, o32, lse, o_c,
+      inv2, m_c, up32, act_c;
+};
+
 struct LineageCudaModel::Activations {
   int64_t R = 0;
   DeviceBuffer ids, targets, positions, result;  // result: loss sum (f32), correct, scored (i32)
   std::vector<DeviceBuffer> h;  // residual stream fp32 [R, d]: h[2l] enters layer l's mixer,
                                 // h[2l + 1] its MLP, h[2L] the final norm
-  struct PerLayer {
-    DeviceBuffer inv1, a_c, qkv32, q_c, k_c, v_c, g_c, b_c, braw32, graw32, qa32, ka32, o32, lse,
-        o_c, inv2, m_c, up32, act_c;
-  };
   std::vector<PerLayer> layers;
   DeviceBuffer invf, hf_c, logits;
   DeviceBuffer dh, dtmp, dan, dy_c, d32a, d32b, dbig32, do_c, dq_c, dk_c, dv_c, dg_c, db_c, dA, ddt,
@@ -164,7 +166,7 @@ void LineageCudaModel::ensure_activations(int64_t R) {
   a->result = DeviceBuffer(16);
   for (size_t i = 0; i <= 2 * layers_.size(); ++i) a->h.push_back(f32(R * d));
   for (const Layer& L : layers_) {
-    Activations::PerLayer p;
+    PerLayer p;
     p.inv1 = f32(R);
     p.a_c = bf(R * d);
     p.qkv32 = f32(R * 3 * inner);
@@ -230,10 +232,62 @@ void for_each_attention(int64_t B, int64_t T, const std::vector<int64_t>& cu_seq
 
 }  // namespace
 
+// One attention call's arguments over layer P's q, k, v (bf16 [R, H, dh]) from row r0: `batch`
+// sequences of `len` tokens; o (fp32) and lse where the forward keeps them.
+ops::cuda::AttentionArgs LineageCudaModel::attention_args(const PerLayer& P, int64_t H, int64_t dh,
+                                                          int64_t r0, int64_t len, int64_t batch) {
+  const int64_t inner = H * dh;
+  k::AttentionArgs args;
+  args.dtype = kBf16;
+  args.Tq = args.Tk = len;
+  args.Hq = args.Hkv = H;
+  args.Dk = args.Dv = dh;
+  args.q = offset(P.q_c, r0 * inner, 2);
+  args.k = offset(P.k_c, r0 * inner, 2);
+  args.v = offset(P.v_c, r0 * inner, 2);
+  args.o = offset<float>(P.o32, r0 * inner, 4);
+  args.lse = offset<float>(P.lse, r0 * H, 4);
+  args.batch = batch;
+  return args;
+}
+
+// The chunked delta-rule call of a DeltaNet / Gated DeltaNet / KDA layer over what the forward
+// keeps (bf16 q, k, v, gate, beta); KDA applies its L2 norm, gate and beta sigmoid in the kernel.
+ops::cuda::DeltaRuleDeviceInputs LineageCudaModel::delta_rule_inputs(
+    const Layer& L, const PerLayer& P, const LineageConfig& c, int64_t B, int64_t T, int64_t R,
+    std::span<const int64_t> cu) {
+  const int64_t H = c.heads, dh = c.head_dim;
+  const bool packed = !cu.empty();
+  k::DeltaRuleDeviceInputs in;
+  in.shape = {packed ? 1 : B, packed ? R : T, H, H, dh, dh, ops::Gate::none, 0};
+  in.dtype = kBf16;
+  in.q = P.q_c.data();
+  in.k = P.k_c.data();
+  in.v = P.v_c.data();
+  in.beta = P.b_c.data();
+  in.cu_seqlens = cu;
+  if (L.kind == MixerKind::gated_delta) {
+    in.shape.gate = ops::Gate::scalar;
+    in.g = P.g_c.data();
+  }
+  if (L.kind == MixerKind::kda) {
+    in.shape.gate = ops::Gate::channel;
+    in.g = P.g_c.data();
+    in.kda_layer.l2norm_qk = true;
+    in.kda_layer.gate_in_kernel = true;
+    in.kda_layer.gate = c.kda_options().gate;
+    in.kda_layer.lower_bound = float(LineageConfig::kKdaLowerBound);
+    in.kda_layer.A_log = L.A_log->f();
+    in.kda_layer.dt_bias = L.dt_bias->f();
+    in.kda_layer.beta_sigmoid = true;
+  }
+  return in;
+}
+
 void LineageCudaModel::mixer_forward(Layer& L, int64_t l, int64_t B, int64_t T) {
   const LineageConfig& c = host_->config();
   Activations& a = *acts_;
-  Activations::PerLayer& P = a.layers[size_t(l)];
+  PerLayer& P = a.layers[size_t(l)];
   k::Gemm& gemm = engines_->gemm;
   const cudaStream_t s = stream_;
   const int64_t R = a.R, d = c.width, H = c.heads, dh = c.head_dim, inner = H * dh;
@@ -253,17 +307,7 @@ void LineageCudaModel::mixer_forward(Layer& L, int64_t l, int64_t B, int64_t T) 
     for (int j = 0; j < 3; ++j)
       k::copy_rows(qkv(j), R, inner, 3 * inner, {qkv_c[j]->data(), kBf16}, s);
     for_each_attention(B, T, cu_seqlens_, [&](int64_t r0, int64_t len, int64_t batch) {
-      k::AttentionArgs args;
-      args.dtype = kBf16;
-      args.Tq = args.Tk = len;
-      args.Hq = args.Hkv = H;
-      args.Dk = args.Dv = dh;
-      args.q = offset(P.q_c, r0 * inner, 2);
-      args.k = offset(P.k_c, r0 * inner, 2);
-      args.v = offset(P.v_c, r0 * inner, 2);
-      args.o = offset<float>(P.o32, r0 * inner, 4);
-      args.lse = offset<float>(P.lse, r0 * H, 4);
-      args.batch = batch;
+      const k::AttentionArgs args = attention_args(P, H, dh, r0, len, batch);
       k::attention_forward(args, a.workspace.data(), a.workspace.bytes(), s);
     });
     k::convert(P.o32.data(), kF32, P.o_c.data(), kBf16, R * inner, s);
@@ -279,38 +323,19 @@ void LineageCudaModel::mixer_forward(Layer& L, int64_t l, int64_t B, int64_t T) 
     k::short_conv_silu_train_forward(qkv(j), positions, R, inner, 3 * inner, L.conv[j]->f(),
                                      kShortConvWidth, out, s);
   }
-  k::DeltaRuleDeviceInputs in;
-  const bool packed = !cu_seqlens_.empty();
-  in.shape = {packed ? 1 : B, packed ? R : T, H, H, dh, dh, ops::Gate::none, 0};
-  in.dtype = kBf16;
-  in.q = P.q_c.data();
-  in.k = P.k_c.data();
-  in.v = P.v_c.data();
-  in.beta = P.b_c.data();
-  in.cu_seqlens = cu_seqlens_;
+  const k::DeltaRuleDeviceInputs in = delta_rule_inputs(L, P, c, B, T, R, cu_seqlens_);
   if (kda) {
-    in.shape.gate = ops::Gate::channel;
     gemm.linear(kBf16, R, inner, d, {P.a_c.data(), d}, {L.Wg->compute(), d}, {P.g_c.data(), kBf16});
     gemm.linear(kBf16, R, H, d, {P.a_c.data(), d}, {L.Wb->compute(), d}, {P.b_c.data(), kBf16});
-    in.g = P.g_c.data();
-    in.kda_layer.l2norm_qk = true;
-    in.kda_layer.gate_in_kernel = true;
-    in.kda_layer.gate = c.kda_options().gate;
-    in.kda_layer.lower_bound = float(LineageConfig::kKdaLowerBound);
-    in.kda_layer.A_log = L.A_log->f();
-    in.kda_layer.dt_bias = L.dt_bias->f();
-    in.kda_layer.beta_sigmoid = true;
   } else {
     k::l2norm_rows_forward(P.qa32.as<float>(), R * H, dh, {P.q_c.data(), kBf16}, s);
     k::l2norm_rows_forward(P.ka32.as<float>(), R * H, dh, {P.k_c.data(), kBf16}, s);
     gemm.linear(kBf16, R, H, d, {P.a_c.data(), d}, {L.Wb->compute(), d}, {P.braw32.data(), kF32});
     k::sigmoid_forward(P.braw32.as<float>(), R * H, P.b_c.data(), kBf16, s);
     if (L.kind == MixerKind::gated_delta) {
-      in.shape.gate = ops::Gate::scalar;
       gemm.linear(kBf16, R, H, d, {P.a_c.data(), d}, {L.Wg->compute(), d}, {P.graw32.data(), kF32});
       k::scalar_gate_forward(P.graw32.as<float>(), L.A_log->f(), L.dt_bias->f(), R, H, P.g_c.data(),
                              kBf16, s);
-      in.g = P.g_c.data();
     }
   }
   k::chunk_forward(in, P.o_c.data(), nullptr, a.workspace.data(), a.workspace.bytes(), s);
@@ -335,7 +360,7 @@ void linear_backward(k::Gemm& gemm, model::cuda::WeightGradGemm& wgrad, int64_t 
 void LineageCudaModel::mixer_backward(Layer& L, int64_t l, int64_t B, int64_t T) {
   const LineageConfig& c = host_->config();
   Activations& a = *acts_;
-  Activations::PerLayer& P = a.layers[size_t(l)];
+  PerLayer& P = a.layers[size_t(l)];
   k::Gemm& gemm = engines_->gemm;
   auto& wgrad = engines_->wgrad;
   k::TrainScratch& scratch = engines_->scratch;
@@ -353,17 +378,8 @@ void LineageCudaModel::mixer_backward(Layer& L, int64_t l, int64_t B, int64_t T)
 
   if (L.kind == MixerKind::softmax) {
     for_each_attention(B, T, cu_seqlens_, [&](int64_t r0, int64_t len, int64_t batch) {
-      k::AttentionArgs args;
-      args.dtype = kBf16;
-      args.Tq = args.Tk = len;
-      args.Hq = args.Hkv = H;
-      args.Dk = args.Dv = dh;
-      args.q = offset(P.q_c, r0 * inner, 2);
-      args.k = offset(P.k_c, r0 * inner, 2);
-      args.v = offset(P.v_c, r0 * inner, 2);
-      args.o = offset<float>(P.o32, r0 * inner, 4);
-      args.batch = batch;
-      k::attention_backward(args, offset<float>(P.lse, r0 * H, 4), offset(a.do_c, r0 * inner, 2),
+      const k::AttentionArgs args = attention_args(P, H, dh, r0, len, batch);
+      k::attention_backward(args, args.lse, offset(a.do_c, r0 * inner, 2),
                             offset(a.dq_c, r0 * inner, 2), offset(a.dk_c, r0 * inner, 2),
                             offset(a.dv_c, r0 * inner, 2), a.workspace.data(), a.workspace.bytes(),
                             s);
@@ -381,37 +397,16 @@ void LineageCudaModel::mixer_backward(Layer& L, int64_t l, int64_t B, int64_t T)
 
   const bool kda = L.kind == MixerKind::kda;
   const bool gated = L.kind == MixerKind::gated_delta;
-  k::DeltaRuleDeviceInputs in;
-  const bool packed = !cu_seqlens_.empty();
-  in.shape = {packed ? 1 : B, packed ? R : T, H, H, dh, dh, ops::Gate::none, 0};
-  in.dtype = kBf16;
-  in.q = P.q_c.data();
-  in.k = P.k_c.data();
-  in.v = P.v_c.data();
-  in.beta = P.b_c.data();
-  in.cu_seqlens = cu_seqlens_;
+  const k::DeltaRuleDeviceInputs in = delta_rule_inputs(L, P, c, B, T, R, cu_seqlens_);
   k::DeltaRuleDeviceGrads grads;
   grads.dq = a.dq_c.data();
   grads.dk = a.dk_c.data();
   grads.dv = a.dv_c.data();
   grads.dbeta = a.db_c.data();
+  if (kda || gated) grads.dg = a.dg_c.data();
   if (kda) {
-    in.shape.gate = ops::Gate::channel;
-    in.g = P.g_c.data();
-    in.kda_layer.l2norm_qk = true;
-    in.kda_layer.gate_in_kernel = true;
-    in.kda_layer.gate = c.kda_options().gate;
-    in.kda_layer.lower_bound = float(LineageConfig::kKdaLowerBound);
-    in.kda_layer.A_log = L.A_log->f();
-    in.kda_layer.dt_bias = L.dt_bias->f();
-    in.kda_layer.beta_sigmoid = true;
-    grads.dg = a.dg_c.data();
     grads.dA_log = a.dA.as<float>();
     grads.ddt_bias = a.ddt.as<float>();
-  } else if (gated) {
-    in.shape.gate = ops::Gate::scalar;
-    in.g = P.g_c.data();
-    grads.dg = a.dg_c.data();
   }
   k::chunk_backward(in, a.do_c.data(), nullptr, grads, a.workspace.data(), a.workspace.bytes(), s);
   if (kda) {  // the kernel overwrites; parameter gradients accumulate
@@ -525,7 +520,7 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
                s);
   for (int64_t l = 0; l < L; ++l) {
     Layer& W = layers_[size_t(l)];
-    Activations::PerLayer& P = a.layers[size_t(l)];
+    PerLayer& P = a.layers[size_t(l)];
     float* x_in = a.h[size_t(2 * l)].as<float>();
     float* x_mid = a.h[size_t(2 * l + 1)].as<float>();
     float* x_out = a.h[size_t(2 * l + 2)].as<float>();
@@ -574,7 +569,7 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
                          final_norm.g(), scratch, s);
     for (int64_t l = L - 1; l >= 0; --l) {
       Layer& W = layers_[size_t(l)];
-      Activations::PerLayer& P = a.layers[size_t(l)];
+      PerLayer& P = a.layers[size_t(l)];
       const float* x_in = a.h[size_t(2 * l)].as<float>();
       const float* x_mid = a.h[size_t(2 * l + 1)].as<float>();
       // MLP (dh: the gradient of x_out)

@@ -20,6 +20,8 @@
 #include <span>
 #include <vector>
 
+#include "ops/attention/cuda/attention_cuda.h"
+#include "ops/delta_rule/cuda/delta_rule_cuda.h"
 #include "train/lineage_model.h"
 #include "train/trainable_model.h"
 
@@ -48,11 +50,18 @@ class LineageCudaModel final : public TrainableModel {
 
  private:
   struct Layer;
+  struct PerLayer;
   struct Activations;
   struct Engines;
   void ensure_activations(int64_t R);
   void mixer_forward(Layer& L, int64_t layer_index, int64_t B, int64_t T);
   void mixer_backward(Layer& L, int64_t layer_index, int64_t B, int64_t T);
+  static ops::cuda::AttentionArgs attention_args(const PerLayer& P, int64_t H, int64_t dh,
+                                                 int64_t r0, int64_t len, int64_t batch);
+  static ops::cuda::DeltaRuleDeviceInputs delta_rule_inputs(const Layer& L, const PerLayer& P,
+                                                            const LineageConfig& c, int64_t B,
+                                                            int64_t T, int64_t R,
+                                                            std::span<const int64_t> cu);
 
   std::unique_ptr<LineageModel> host_;
   cudaStream_t stream_ = nullptr;
