@@ -22,7 +22,9 @@
 
 #include "core/random.h"
 #include "train/adamw.h"
+#include "train/cuda/gpt2_cuda_trainable.h"
 #include "train/cuda/lineage_cuda_model.h"
+#include "train/hf_gpt2.h"
 #include "train/lineage_model.h"
 #include "train/tasks.h"
 
@@ -187,6 +189,69 @@ void check_learns() {
   report("lineage_train MQAR-64 KA 150 steps: loss fell (final / first)", last_gpu / first, 0.95);
 }
 
+// GPT-2 behind the trainer's face on the GPU (train/cuda/gpt2_cuda_trainable.h) against the CPU
+// Gpt2Trainable from the same weights: loss and every gradient for rows and packed documents,
+// gradients accumulating across calls, and the optimizer state's round trip.
+void check_gpt2() {
+  const nlohmann::json config = {{"model_type", "gpt2"}, {"vocab_size", 128}, {"n_positions", 64},
+                                 {"n_embd", 64},         {"n_layer", 2},      {"n_head", 4}};
+  auto cpu = train::Gpt2Trainable::from_config(config, 21);
+  train::cuda::Gpt2CudaTrainable gpu(train::Gpt2Trainable::from_config(config, 21));
+  const int64_t B = 2, T = 48;
+  for (const bool packed : {false, true}) {
+    const Batch b = random_batch(B * T, 128, packed ? 23 : 22);
+    const std::vector<int64_t> cu =
+        packed ? std::vector<int64_t>{0, 1, 30, 48, 90, 96} : std::vector<int64_t>{};
+    cpu->zero_grad();
+    gpu.zero_grad();
+    const auto rc = cpu->forward_backward(b.inputs.data(), b.targets.data(), B, T, true, cu);
+    const auto rg = gpu.forward_backward(b.inputs.data(), b.targets.data(), B, T, true, cu);
+    const std::string tag = std::string("gpt2 (trainer face) ") + (packed ? "packed" : "rows");
+    report(tag + " loss", std::abs(rg.loss - rc.loss) / rc.loss, 5e-3);
+    report(tag + " scored / correct",
+           rg.scored == rc.scored && std::abs(rg.correct - rc.correct) <= 1 ? 0.0 : 1.0, 0);
+    double worst = 0;
+    std::string worst_name;
+    for (train::Param* p : cpu->params()) {
+      const std::vector<float> g = gpu.device().gradient(p->name);
+      const double rel = rel_error(g.data(), p->grad.f32(), g.size());
+      if (!(rel <= worst)) {
+        worst = rel;
+        worst_name = p->name;
+      }
+    }
+    report(tag + " gradients (worst: " + worst_name + ")", worst, 3e-2);
+  }
+  // a second call adds its gradients: twice the same batch = 2x one
+  const Batch b = random_batch(B * T, 128, 24);
+  gpu.zero_grad();
+  gpu.forward_backward(b.inputs.data(), b.targets.data(), B, T, true);
+  const std::vector<float> once = gpu.device().gradient("transformer.h.0.attn.c_attn.weight");
+  gpu.forward_backward(b.inputs.data(), b.targets.data(), B, T, true);
+  std::vector<float> twice = gpu.device().gradient("transformer.h.0.attn.c_attn.weight");
+  for (float& x : twice) x *= 0.5f;
+  report("gpt2 (trainer face) gradients accumulate across calls",
+         rel_error(twice.data(), once.data(), once.size()), 1e-6);
+  // optimizer: a step, its state out and back in, then the same next step as without the trip
+  train::AdamWConfig opt;
+  opt.total_steps = 10;
+  const auto o = gpu.make_optimizer(opt);
+  o->step();
+  const auto state = o->state();
+  o->load_state(state, o->steps_taken());
+  const auto again = o->state();
+  double worst = 0;
+  for (size_t i = 0; i < state.size(); ++i)
+    worst = std::max(worst, rel_error(again[i].second.f32(), state[i].second.f32(),
+                                      size_t(state[i].second.numel())));
+  report("gpt2 (trainer face) optimizer state round trip", worst, 0);
+  gpu.pull_values();
+  const train::Param* wte = gpu.params().front();
+  const std::vector<float> device_wte = gpu.device().value(wte->name);
+  report("gpt2 (trainer face) pull_values",
+         rel_error(wte->value.f32(), device_wte.data(), device_wte.size()), 0);
+}
+
 // Tokens/s of forward + backward + AdamW for a model of `pattern` at B rows of T tokens: the
 // ~125M ones (12 layers, width 768) by default, the recall benchmark's 2-layer ones when small.
 void bench(const std::string& name, const std::string& pattern, int64_t B, int64_t T,
@@ -258,6 +323,7 @@ int main(int argc, char** argv) {
       check_gradients("KA", "bounded", true, 13);
       check_optimizer();
       check_learns();
+      check_gpt2();
     }
     if (profile) bench("softmax", "AAAAAAAAAAAA", 8, 2048);
     if (bench_on) {

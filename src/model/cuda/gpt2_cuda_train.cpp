@@ -132,7 +132,7 @@ namespace {
 
 // Host values in the checkpoint's layout -> the parameter's device value (and compute copy).
 template <class P>
-void set_value(P& p, const float* host, ElementType type, cudaStream_t stream) {
+void set_value_of(P& p, const float* host, ElementType type, cudaStream_t stream) {
   std::vector<float> device_layout(host, host + p.numel());
   if (p.conv1d) {  // checkpoint [cols (in), rows (out)] -> [rows, cols]
     for (int64_t i = 0; i < p.cols; ++i)
@@ -160,9 +160,16 @@ Gpt2CudaTrainer::Gpt2CudaTrainer(const std::string& folder_path, ElementType typ
   folder.check_tensors(gpt2_expected_tensors(c_, folder));
   for (auto& p : params_) {
     const Tensor t = folder.load(p->name, checkpoint_shape(*p));
-    set_value(*p, t.f32(), type_, stream_);
+    set_value_of(*p, t.f32(), type_, stream_);
   }
   k::check_cuda(cudaStreamSynchronize(stream_), "gpt2 (cuda training) load");
+}
+
+Gpt2CudaTrainer::Gpt2CudaTrainer(const nlohmann::json& config, ElementType type,
+                                 const std::string& prefix)
+    : type_(type), prefix_(prefix) {
+  init(config);
+  k::check_cuda(cudaStreamSynchronize(stream_), "gpt2 (cuda training) init");
 }
 
 Gpt2CudaTrainer::Gpt2CudaTrainer(const nlohmann::json& config, ElementType type, uint64_t seed)
@@ -182,7 +189,7 @@ Gpt2CudaTrainer::Gpt2CudaTrainer(const nlohmann::json& config, ElementType type,
                ends_with(p->name, "ln_f.weight")) {
       std::fill(w.begin(), w.end(), 1.0f);
     }
-    set_value(*p, w.data(), type_, stream_);
+    set_value_of(*p, w.data(), type_, stream_);
   }
   k::check_cuda(cudaStreamSynchronize(stream_), "gpt2 (cuda training) init");
 }
@@ -286,11 +293,70 @@ void Gpt2CudaTrainer::linear_backward(int64_t rows, int64_t in, int64_t out, con
 }
 
 double Gpt2CudaTrainer::step(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T) {
-  const int64_t E = c_.embd, I = c_.inner, H = c_.heads, Dh = c_.head_dim(), V = c_.vocab,
-                L = c_.layers, R = B * T;
+  return run(ids, targets, B, T, {}, true, false).loss;
+}
+
+// Layer l's attention over B rows of T tokens in one launch (q, k, v: column slices of the qkv
+// rows, sequence b T * 3E elements on; o and lse dense).
+ops::cuda::AttentionArgs Gpt2CudaTrainer::attention_args(int64_t l, int64_t B, int64_t T) const {
+  const int64_t E = c_.embd;
+  const size_t es = k::element_bytes(type_);
+  Activations::PerLayer& P = acts_->layers[size_t(l)];
+  k::AttentionArgs args;
+  args.dtype = type_;
+  args.Tq = args.Tk = T;
+  args.Hq = args.Hkv = c_.heads;
+  args.Dk = args.Dv = c_.head_dim();
+  const char* base = static_cast<const char*>(P.qkvc.data());
+  args.q = base;
+  args.k = base + size_t(E) * es;
+  args.v = base + size_t(2 * E) * es;
+  args.q_row_stride = args.k_row_stride = args.v_row_stride = 3 * E;
+  args.batch = B;
+  args.q_batch_stride = args.k_batch_stride = args.v_batch_stride = T * 3 * E;
+  args.q_offset = 0;
+  args.scale = float(c_.attention_scale(l));
+  args.o = P.o32.as<float>();
+  args.lse = P.lse.as<float>();
+  return args;
+}
+
+// Layer l's attention over packed document d alone (rows docs[d] .. docs[d + 1]).
+ops::cuda::AttentionArgs Gpt2CudaTrainer::document_args(int64_t l, const std::vector<int64_t>& docs,
+                                                        size_t d) const {
+  const int64_t E = c_.embd, r0 = docs[d], len = docs[d + 1] - docs[d];
+  const size_t es = k::element_bytes(type_);
+  k::AttentionArgs args = attention_args(l, 1, len);
+  args.q_batch_stride = args.k_batch_stride = args.v_batch_stride = 0;
+  args.q = static_cast<const char*>(args.q) + size_t(r0 * 3 * E) * es;
+  args.k = static_cast<const char*>(args.k) + size_t(r0 * 3 * E) * es;
+  args.v = static_cast<const char*>(args.v) + size_t(r0 * 3 * E) * es;
+  args.o += r0 * E;
+  args.lse += r0 * c_.heads;
+  return args;
+}
+
+Gpt2StepResult Gpt2CudaTrainer::run(const int32_t* ids, const int32_t* targets, int64_t B,
+                                    int64_t T, std::span<const int64_t> cu_seqlens, bool backward,
+                                    bool accumulate) {
+  const int64_t E = c_.embd, I = c_.inner, V = c_.vocab, L = c_.layers, R = B * T;
   require(B >= 1 && T >= 1, "gpt2 (cuda training): B and T must be >= 1");
-  require(T <= c_.positions, "gpt2 (cuda training): T = " + std::to_string(T) +
-                                 " is past n_positions = " + std::to_string(c_.positions));
+  // the documents: rows of T tokens, or the packed boundaries (positions restart at each)
+  std::vector<int64_t> docs;
+  if (cu_seqlens.empty()) {
+    for (int64_t b = 0; b <= B; ++b) docs.push_back(b * T);
+  } else {
+    require(cu_seqlens.size() >= 2 && cu_seqlens.front() == 0 && cu_seqlens.back() == R,
+            "gpt2 (cuda training): cu_seqlens must start at 0 and end at B * T");
+    for (size_t i = 1; i < cu_seqlens.size(); ++i)
+      require(cu_seqlens[i] > cu_seqlens[i - 1],
+              "gpt2 (cuda training): cu_seqlens must increase strictly");
+    docs.assign(cu_seqlens.begin(), cu_seqlens.end());
+  }
+  for (size_t d = 0; d + 1 < docs.size(); ++d)
+    require(docs[d + 1] - docs[d] <= c_.positions,
+            "gpt2 (cuda training): a sequence of " + std::to_string(docs[d + 1] - docs[d]) +
+                " tokens is past n_positions = " + std::to_string(c_.positions));
   for (int64_t r = 0; r < R; ++r) {
     require(ids[r] >= 0 && ids[r] < V, "gpt2 (cuda training): token id " + std::to_string(ids[r]) +
                                            " is outside the vocabulary");
@@ -303,43 +369,20 @@ double Gpt2CudaTrainer::step(const int32_t* ids, const int32_t* targets, int64_t
   k::Gemm& gemm = engines_->gemm;
   k::TrainScratch& scratch = engines_->scratch;
   const cudaStream_t s = stream_;
-  const size_t es = k::element_bytes(type_);
   const float eps = float(c_.eps);
   k::check_cuda(cudaMemcpyAsync(a.ids.data(), ids, size_t(R) * 4, cudaMemcpyHostToDevice, s),
                 "cudaMemcpyAsync (ids)");
   k::check_cuda(
       cudaMemcpyAsync(a.targets.data(), targets, size_t(R) * 4, cudaMemcpyHostToDevice, s),
       "cudaMemcpyAsync (targets)");
-  for (auto& p : params_)
-    k::check_cuda(cudaMemsetAsync(p->grad.data(), 0, p->grad.bytes(), s), "cudaMemsetAsync");
+  if (!accumulate) zero_gradients();
 
-  // The batch's attention arguments for layer l, one launch for all B sequences (q, k, v: column
-  // slices of the qkv rows, sequence b T * 3E elements on; o and lse dense).
-  const auto attention_args = [&](int64_t l) {
-    Activations::PerLayer& P = a.layers[size_t(l)];
-    k::AttentionArgs args;
-    args.dtype = type_;
-    args.Tq = args.Tk = T;
-    args.Hq = args.Hkv = H;
-    args.Dk = args.Dv = Dh;
-    const char* base = static_cast<const char*>(P.qkvc.data());
-    args.q = base;
-    args.k = base + size_t(E) * es;
-    args.v = base + size_t(2 * E) * es;
-    args.q_row_stride = args.k_row_stride = args.v_row_stride = 3 * E;
-    args.batch = B;
-    args.q_batch_stride = args.k_batch_stride = args.v_batch_stride = T * 3 * E;
-    args.q_offset = 0;
-    args.scale = float(c_.attention_scale(l));
-    args.o = P.o32.as<float>();
-    args.lse = P.lse.as<float>();
-    return args;
-  };
+  const bool packed = !cu_seqlens.empty();
 
   // ---- forward ----
-  for (int64_t b = 0; b < B; ++b)  // positions restart at every row
-    k::embedding(at<int32_t>(a.ids, b * T, 4), T, wte_->value.data(), wpe_->value.data(), 0, kF32,
-                 E, at<float>(a.h[0], b * T * E, 4), s);
+  for (size_t d = 0; d + 1 < docs.size(); ++d)  // positions restart at every document
+    k::embedding(at<int32_t>(a.ids, docs[d], 4), docs[d + 1] - docs[d], wte_->value.data(),
+                 wpe_->value.data(), 0, kF32, E, at<float>(a.h[0], docs[d] * E, 4), s);
   for (int64_t l = 0; l < L; ++l) {
     const Layer& W = layers_[size_t(l)];
     Activations::PerLayer& P = a.layers[size_t(l)];
@@ -352,7 +395,12 @@ double Gpt2CudaTrainer::step(const int32_t* ids, const int32_t* targets, int64_t
                 {a.qkv32.data(), kF32});
     k::add_bias(a.qkv32.as<float>(), R, 3 * E, W.qkv_b->f(), s);
     k::convert(a.qkv32.data(), kF32, P.qkvc.data(), type_, R * 3 * E, s);
-    k::attention_forward(attention_args(l), a.workspace.data(), a.workspace_bytes, s);
+    if (packed) {
+      for (size_t d = 0; d + 1 < docs.size(); ++d)
+        k::attention_forward(document_args(l, docs, d), a.workspace.data(), a.workspace_bytes, s);
+    } else {
+      k::attention_forward(attention_args(l, B, T), a.workspace.data(), a.workspace_bytes, s);
+    }
     k::convert(P.o32.data(), kF32, P.oc.data(), type_, R * E, s);
     k::check_cuda(cudaMemcpyAsync(x_mid, x_in, size_t(R * E) * 4, cudaMemcpyDeviceToDevice, s),
                   "cudaMemcpyAsync (residual)");
@@ -379,7 +427,32 @@ double Gpt2CudaTrainer::step(const int32_t* ids, const int32_t* targets, int64_t
   // dlogits (mean over scored rows) overwrite the logits
   k::cross_entropy_forward_backward(logits, kF32, a.targets.as<int32_t>(), R, V, logits, loss_sum,
                                     correct, scored, scratch, s);
+  if (backward) backward_pass(docs, packed ? nullptr : &B, T);
+  // read back after the backward is queued (a pageable copy would block the host until then)
+  struct {
+    float loss_sum;
+    int32_t correct, scored;
+  } result{};
+  k::check_cuda(cudaMemcpyAsync(&result, a.loss.data(), 12, cudaMemcpyDeviceToHost, s),
+                "cudaMemcpyAsync (loss)");
+  k::check_cuda(cudaStreamSynchronize(s), "gpt2 (cuda training) step");
+  Gpt2StepResult out;
+  out.scored = result.scored;
+  out.correct = result.correct;
+  out.loss = result.scored > 0 ? double(result.loss_sum) / double(result.scored) : NAN;
+  return out;
+}
 
+void Gpt2CudaTrainer::backward_pass(const std::vector<int64_t>& docs, const int64_t* rows_B,
+                                    int64_t T) {
+  const int64_t E = c_.embd, I = c_.inner, V = c_.vocab, L = c_.layers, R = docs.back();
+  Activations& a = *acts_;
+  k::TrainScratch& scratch = engines_->scratch;
+  const cudaStream_t s = stream_;
+  const size_t es = k::element_bytes(type_);
+  const float eps = float(c_.eps);
+  const float* x_final = a.h[size_t(2 * L)].as<float>();
+  float* logits = a.logits.as<float>();
   // ---- backward ----
   float* dh = a.dh.as<float>();
   float* dln = a.dln32.as<float>();
@@ -401,9 +474,19 @@ double Gpt2CudaTrainer::step(const int32_t* ids, const int32_t* targets, int64_t
                            true, scratch, s);
     // attention (dh: the gradient of x_mid); d_o in the attention's type
     linear_backward(R, E, E, dh, P.oc.data(), *W.out_w, W.out_b, a.do_c.data(), type_);
-    const k::AttentionArgs args = attention_args(l);
-    k::attention_backward(args, args.lse, a.do_c.data(), a.dq.data(), a.dk.data(), a.dv.data(),
-                          a.workspace.data(), a.workspace_bytes, s);
+    if (rows_B) {  // one launch for the B rows
+      const k::AttentionArgs args = attention_args(l, *rows_B, T);
+      k::attention_backward(args, args.lse, a.do_c.data(), a.dq.data(), a.dk.data(), a.dv.data(),
+                            a.workspace.data(), a.workspace_bytes, s);
+    } else {  // one per packed document
+      for (size_t d = 0; d + 1 < docs.size(); ++d) {
+        const k::AttentionArgs args = document_args(l, docs, d);
+        const size_t off = size_t(docs[d] * E) * es;
+        k::attention_backward(args, args.lse, at(a.do_c, 0, 1) + off, at(a.dq, 0, 1) + off,
+                              at(a.dk, 0, 1) + off, at(a.dv, 0, 1) + off, a.workspace.data(),
+                              a.workspace_bytes, s);
+      }
+    }
     pack_qkv_gradient(a.dq.data(), a.dk.data(), a.dv.data(), type_, R, E, dbig, s);
     linear_backward(R, E, 3 * E, dbig, P.ln1c.data(), *W.qkv_w, W.qkv_b, dln, kF32);
     k::layer_norm_backward(x_in, dln, R, E, W.ln1_w->f(), eps, dh, W.ln1_w->g(), W.ln1_b->g(), true,
@@ -411,16 +494,68 @@ double Gpt2CudaTrainer::step(const int32_t* ids, const int32_t* targets, int64_t
   }
   // embeddings (dh: the gradient of the embedding sum); wte already holds the head's gradient
   k::embedding_backward(a.ids.as<int32_t>(), dh, R, E, V, wte_->g(), scratch, s);
-  position_embedding_backward(dh, B, T, E, wpe_->g(), s);
+  if (rows_B) {
+    position_embedding_backward(dh, *rows_B, T, E, wpe_->g(), s);
+  } else {
+    for (size_t d = 0; d + 1 < docs.size(); ++d)
+      position_embedding_backward(dh + docs[d] * E, 1, docs[d + 1] - docs[d], E, wpe_->g(), s);
+  }
+}
 
-  float loss_host = 0;
-  int32_t scored_host = 0;
-  k::check_cuda(cudaMemcpyAsync(&loss_host, loss_sum, 4, cudaMemcpyDeviceToHost, s),
-                "cudaMemcpyAsync (loss)");
-  k::check_cuda(cudaMemcpyAsync(&scored_host, scored, 4, cudaMemcpyDeviceToHost, s),
-                "cudaMemcpyAsync (scored)");
-  k::check_cuda(cudaStreamSynchronize(s), "gpt2 (cuda training) step");
-  return scored_host > 0 ? double(loss_host) / double(scored_host) : NAN;
+void Gpt2CudaTrainer::zero_gradients() {
+  for (auto& p : params_)
+    k::check_cuda(cudaMemsetAsync(p->grad.data(), 0, p->grad.bytes(), stream_), "cudaMemsetAsync");
+}
+
+void Gpt2CudaTrainer::reset_adam() {
+  for (auto& p : params_)
+    for (DeviceBuffer* b : {&p->m, &p->v})
+      k::check_cuda(cudaMemsetAsync(b->data(), 0, b->bytes(), stream_), "cudaMemsetAsync");
+  adam_steps_ = 0;
+}
+
+void Gpt2CudaTrainer::scale_gradients(float s) {
+  for (auto& p : params_) k::scale(p->g(), p->numel(), s, stream_);
+}
+
+Gpt2CudaTrainer::Param& Gpt2CudaTrainer::named(const std::string& hf_name) const {
+  const auto it = by_name_.find(hf_name);
+  require(it != by_name_.end(), "gpt2 (cuda training): no parameter named '" + hf_name + "'");
+  return *it->second;
+}
+
+void Gpt2CudaTrainer::set_value(const std::string& hf_name, const float* host) {
+  Param& p = named(hf_name);
+  set_value_of(p, host, type_, stream_);
+  k::check_cuda(cudaStreamSynchronize(stream_), "gpt2 (cuda training) set_value");
+}
+
+namespace {
+
+// [rows, cols] <-> [cols, rows] (a Conv1D weight between the device's and the checkpoint's layout)
+std::vector<float> transposed(const std::vector<float>& x, int64_t rows, int64_t cols) {
+  std::vector<float> out(x.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[size_t(c * rows + r)] = x[size_t(r * cols + c)];
+  return out;
+}
+
+}  // namespace
+
+std::vector<float> Gpt2CudaTrainer::moment(const std::string& hf_name, bool first) const {
+  const Param& p = named(hf_name);
+  k::check_cuda(cudaStreamSynchronize(stream_), "gpt2 (cuda training) moment");
+  std::vector<float> m(size_t(p.numel()));
+  (first ? p.m : p.v).download(m.data(), m.size() * 4);
+  return p.conv1d ? transposed(m, p.rows, p.cols) : m;
+}
+
+void Gpt2CudaTrainer::set_moment(const std::string& hf_name, bool first, const float* host) {
+  Param& p = named(hf_name);
+  std::vector<float> m(host, host + p.numel());
+  if (p.conv1d) m = transposed(m, p.cols, p.rows);  // checkpoint [in, out] -> [out, in]
+  k::check_cuda(cudaStreamSynchronize(stream_), "gpt2 (cuda training) set_moment");
+  (first ? p.m : p.v).upload(m.data(), m.size() * 4);
 }
 
 std::vector<float> Gpt2CudaTrainer::gradient(const std::string& hf_name) const {
@@ -445,7 +580,8 @@ std::vector<float> Gpt2CudaTrainer::host_copy(const std::string& hf_name, bool g
   return out;
 }
 
-double Gpt2CudaTrainer::adamw(float lr, float weight_decay, float clip_norm) {
+double Gpt2CudaTrainer::adamw(float lr, float weight_decay, float clip_norm, float beta1,
+                              float beta2, float eps) {
   const cudaStream_t s = stream_;
   DeviceBuffer norm2 = zeros(4, s);
   for (const auto& p : params_)
@@ -461,6 +597,9 @@ double Gpt2CudaTrainer::adamw(float lr, float weight_decay, float clip_norm) {
   for (const auto& p : params_) {
     k::AdamWHyper hyper;
     hyper.lr = lr;
+    hyper.beta1 = beta1;
+    hyper.beta2 = beta2;
+    hyper.eps = eps;
     hyper.weight_decay = p->decay ? weight_decay : 0.0f;
     k::adamw_step(p->f(), p->g(), p->m.as<float>(), p->v.as<float>(), p->numel(), hyper,
                   adam_steps_, clip, p->copy.data(), type_, s);

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "train/cuda/gpt2_cuda_trainable.h"
 #include "train/cuda/lineage_cuda_model.h"
 #include "train/model_factory.h"
 
@@ -13,12 +14,18 @@ void register_cuda_training() {
   register_training_device(
       "cuda", [](const nlohmann::json& config, std::unique_ptr<TrainableModel> host) {
         const std::string type = config.value("model_type", std::string());
-        auto* lineage = dynamic_cast<LineageModel*>(host.get());
-        require(lineage != nullptr, "train --device cuda: model_type '" + type +
-                                        "' trains on the CPU only (the GPU trains kda_lineage)");
-        host.release();
-        return std::unique_ptr<TrainableModel>(
-            std::make_unique<LineageCudaModel>(std::unique_ptr<LineageModel>(lineage)));
+        if (auto* lineage = dynamic_cast<LineageModel*>(host.get())) {
+          host.release();
+          return std::unique_ptr<TrainableModel>(
+              std::make_unique<LineageCudaModel>(std::unique_ptr<LineageModel>(lineage)));
+        }
+        if (auto* gpt2 = dynamic_cast<Gpt2Trainable*>(host.get())) {
+          host.release();
+          return std::unique_ptr<TrainableModel>(
+              std::make_unique<Gpt2CudaTrainable>(std::unique_ptr<Gpt2Trainable>(gpt2)));
+        }
+        throw Error("train --device cuda: model_type '" + type +
+                    "' trains on the CPU only (the GPU trains kda_lineage and gpt2)");
       });
 }
 

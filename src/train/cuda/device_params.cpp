@@ -58,6 +58,12 @@ void DeviceParams::zero_grads() {
     check_cuda(cudaMemsetAsync(e->grad.data(), 0, e->grad.bytes(), stream_), "cudaMemsetAsync");
 }
 
+void DeviceParams::reset_moments() {
+  for (auto& e : entries_)
+    for (DeviceBuffer* b : {&e->m, &e->v})
+      check_cuda(cudaMemsetAsync(b->data(), 0, b->bytes(), stream_), "cudaMemsetAsync");
+}
+
 void DeviceParams::scale_grads(float s) {
   for (auto& e : entries_) k::scale(e->g(), e->n, s, stream_);
 }

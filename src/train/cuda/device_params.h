@@ -40,6 +40,7 @@ class DeviceParams {
   void push();  // host values -> device values (and compute copies)
   void pull();  // device values -> host values
   void zero_grads();
+  void reset_moments();
   void scale_grads(float s);
   // Host copies of the device gradients (checks).
   std::vector<float> gradient(const std::string& name);

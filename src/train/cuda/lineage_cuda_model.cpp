@@ -67,7 +67,7 @@ struct LineageCudaModel::PerLayer {
 };
 
 struct LineageCudaModel::Activations {
-  int64_t R = 0;
+  int64_t R = 0, capacity = 0;                   // rows of this call; rows the buffers hold
   DeviceBuffer ids, targets, positions, result;  // result: loss sum (f32), correct, scored (i32)
   std::vector<DeviceBuffer> h;  // residual stream fp32 [R, d]: h[2l] enters layer l's mixer,
                                 // h[2l + 1] its MLP, h[2L] the final norm
@@ -148,16 +148,20 @@ std::vector<float> LineageCudaModel::gradient(const std::string& name) {
 
 std::unique_ptr<Optimizer> LineageCudaModel::make_optimizer(const AdamWConfig& config) {
   require(config.lr > 0 && config.total_steps >= 1, "adamw: lr and total_steps must be positive");
+  params_->reset_moments();  // a new optimizer starts fresh, as the host AdamW does
   return std::make_unique<DeviceAdamW>(*params_, config);
 }
 
 void LineageCudaModel::ensure_activations(int64_t R) {
-  if (acts_ && acts_->R == R) return;
+  if (acts_ && acts_->capacity >= R) {  // smaller batches (evaluation) reuse the buffers
+    acts_->R = R;
+    return;
+  }
   acts_.reset();  // free the old sizes first
   const LineageConfig& c = host_->config();
   const int64_t d = c.width, H = c.heads, inner = H * c.head_dim, F = c.mlp_hidden, V = c.vocab;
   auto a = std::make_unique<Activations>();
-  a->R = R;
+  a->R = a->capacity = R;
   const auto f32 = [](int64_t n) { return DeviceBuffer(size_t(n) * 4); };
   const auto bf = [](int64_t n) { return DeviceBuffer(size_t(n) * 2); };
   a->ids = DeviceBuffer(size_t(R) * 4);
@@ -455,7 +459,7 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
   const int64_t d = c.width, H = c.heads, dh = c.head_dim, inner = H * dh, F = c.mlp_hidden,
                 V = c.vocab, R = B * T, L = int64_t(layers_.size());
   require(B >= 1 && T >= 1, "lineage model (cuda): B and T must be >= 1");
-  const std::vector<int64_t> segments = document_segments(cu_seqlens, B, T, "lineage model (cuda)");
+  document_segments(cu_seqlens, B, T, "lineage model (cuda)");  // validates them
   cu_seqlens_.assign(cu_seqlens.begin(), cu_seqlens.end());
   for (int64_t r = 0; r < R; ++r) {
     require(inputs[r] >= 0 && inputs[r] < V, "lineage model (cuda): token id " +
@@ -477,16 +481,13 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
   size_t workspace = 256;
   {
     const bool packed = !cu_seqlens_.empty();
-    for (const Layer& Lr : layers_) {
+    for (size_t li = 0; li < layers_.size(); ++li) {
+      const Layer& Lr = layers_[li];
       if (Lr.kind == MixerKind::softmax) {
         for_each_attention(B, T, cu_seqlens_, [&](int64_t, int64_t len, int64_t batch) {
-          k::AttentionArgs args;
-          args.dtype = kBf16;
-          args.Tq = args.Tk = len;
-          args.Hq = args.Hkv = H;
-          args.Dk = args.Dv = dh;
-          args.batch = batch;
-          args.lse = a.layers[0].lse.as<float>();  // any: sizes the direct path
+          // this layer's own arguments: with its lse set, as the calls below have it (an unset
+          // lse would size the split decode path, which refuses batches, for T <= 15)
+          const k::AttentionArgs args = attention_args(a.layers[li], H, dh, 0, len, batch);
           workspace = std::max({workspace, k::attention_workspace_bytes(args),
                                 k::attention_backward_workspace_bytes(args)});
         });
@@ -550,13 +551,6 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
   int32_t* scored = offset<int32_t>(a.result, 2, 4);
   k::cross_entropy_forward_backward(logits, kF32, a.targets.as<int32_t>(), R, V, logits, loss_sum,
                                     correct, scored, scratch, s);
-  struct {
-    float loss_sum;
-    int32_t correct, scored;
-  } host_result{};
-  check_cuda(cudaMemcpyAsync(&host_result, a.result.data(), 12, cudaMemcpyDeviceToHost, s),
-             "cudaMemcpyAsync (loss)");
-
   if (backward) {
     float* dh = a.dh.as<float>();
     float* dtmp = a.dtmp.as<float>();
@@ -596,6 +590,13 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
     }
     k::embedding_backward(a.ids.as<int32_t>(), dh, R, d, V, embed.g(), scratch, s);
   }
+  // read back after the backward is queued (a pageable copy would block the host until then)
+  struct {
+    float loss_sum;
+    int32_t correct, scored;
+  } host_result{};
+  check_cuda(cudaMemcpyAsync(&host_result, a.result.data(), 12, cudaMemcpyDeviceToHost, s),
+             "cudaMemcpyAsync (loss)");
   check_cuda(cudaStreamSynchronize(s), "lineage model (cuda): step");
   StepResult result;
   result.scored = host_result.scored;
