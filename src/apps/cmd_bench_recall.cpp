@@ -51,9 +51,8 @@ void print_usage() {
       "for two CPU cores (minutes, not a result: MQAR needs far more steps). --jobs N trains N\n"
       "cells at once, one thread each. Writes DIR/recall.md, recall.json (a list of {mixer,\n"
       "task, seq_len, accuracy, lr}) and recall.svg (default out/recall).\n"
-      "--device cuda trains every cell on the GPU (softmax, delta, gated_delta, kda and the\n"
-      "hybrid; linear attention trains on the CPU only); --jobs N then runs N cells at once on\n"
-      "the one GPU, each on its own stream.");
+      "--device cuda trains every cell on the GPU; --jobs N then runs N cells at once on the\n"
+      "one GPU, each on its own stream.");
 }
 
 std::vector<std::string> split(const std::string& text) {

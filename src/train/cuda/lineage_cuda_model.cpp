@@ -9,6 +9,7 @@
 #include "ops/attention/cuda/attention_cuda.h"
 #include "ops/delta_rule/cuda/delta_rule_cuda.h"
 #include "ops/gemm/cuda/gemm_cuda.h"
+#include "ops/linear_attn/cuda/linear_attn_cuda.h"
 #include "ops/nn/cuda/nn_cuda.h"
 #include "ops/nn/cuda/train_cuda.h"
 #include "ops/nn/cuda/train_mixer_cuda.h"
@@ -62,8 +63,8 @@ struct LineageCudaModel::Engines {
 // What the forward keeps for the backward (per layer), and the backward's scratch, for R rows.
 // What the forward keeps of one layer for the backward.
 struct LineageCudaModel::PerLayer {
-  DeviceBuffer inv1, a_c, qkv32, q_c, k_c, v_c, g_c, b_c, braw32, graw32, qa32, ka32, o32, lse, o_c,
-      inv2, m_c, up32, act_c;
+  DeviceBuffer inv1, a_c, qkv32, q_c, k_c, v_c, g_c, b_c, braw32, graw32, qa32, ka32, v32, o32, lse,
+      o_c, inv2, m_c, up32, act_c;
 };
 
 struct LineageCudaModel::Activations {
@@ -74,17 +75,16 @@ struct LineageCudaModel::Activations {
   std::vector<PerLayer> layers;
   DeviceBuffer invf, hf_c, logits;
   DeviceBuffer dh, dtmp, dan, dy_c, d32a, d32b, dbig32, do_c, dq_c, dk_c, dv_c, dg_c, db_c, dA, ddt,
-      workspace;
+      dlinear32, workspace;
 };
 
 LineageCudaModel::LineageCudaModel(std::unique_ptr<LineageModel> host) : host_(std::move(host)) {
   const LineageConfig& c = host_->config();
   for (char letter : c.pattern) {
     const MixerKind kind = mixer_from_letter(letter);
-    require(
-        kind != MixerKind::linear && kind != MixerKind::mla,
-        "lineage model (cuda): " + mixer_name(kind) +
-            " layers train on the CPU only (softmax, delta, gated_delta and kda run on the GPU)");
+    require(kind != MixerKind::mla,
+            "lineage model (cuda): mla layers train on the CPU only (softmax, linear, delta, "
+            "gated_delta and kda run on the GPU)");
   }
   require(c.head_dim == 64 || c.head_dim == 128,
           "lineage model (cuda): head_dim must be 64 or 128 (the chunked kernels' sizes)");
@@ -181,6 +181,12 @@ void LineageCudaModel::ensure_activations(int64_t R) {
       p.o32 = f32(R * inner);
       p.lse = f32(R * H);
     }
+    if (L.kind == MixerKind::linear) {  // dense fp32 q, k, v and o for the fp32 kernels
+      p.qa32 = f32(R * inner);
+      p.ka32 = f32(R * inner);
+      p.v32 = f32(R * inner);
+      p.o32 = f32(R * inner);
+    }
     if (L.delta_family()) p.b_c = bf(R * H);
     if (L.kind == MixerKind::kda) p.g_c = bf(R * inner);
     if (L.kind == MixerKind::delta || L.kind == MixerKind::gated_delta) {
@@ -217,6 +223,8 @@ void LineageCudaModel::ensure_activations(int64_t R) {
   a->db_c = bf(R * H);
   a->dA = f32(H);
   a->ddt = f32(inner);
+  for (const Layer& L : layers_)
+    if (L.kind == MixerKind::linear) a->dlinear32 = f32(3 * R * inner);
   acts_ = std::move(a);
 }
 
@@ -252,6 +260,22 @@ ops::cuda::AttentionArgs LineageCudaModel::attention_args(const PerLayer& P, int
   args.o = offset<float>(P.o32, r0 * inner, 4);
   args.lse = offset<float>(P.lse, r0 * H, 4);
   args.batch = batch;
+  return args;
+}
+
+// The linear attention call of a linear layer over the forward's dense fp32 q, k, v (the CPU
+// layer's settings: scale K^-0.5, the normalised form).
+ops::cuda::LinearAttnDeviceArgs LineageCudaModel::linear_attn_args(const PerLayer& P,
+                                                                   const LineageConfig& c,
+                                                                   int64_t B, int64_t T, int64_t R,
+                                                                   std::span<const int64_t> cu) {
+  const bool packed = !cu.empty();
+  k::LinearAttnDeviceArgs args;
+  args.shape = {packed ? 1 : B, packed ? R : T, c.heads, c.head_dim, c.head_dim, 0, true};
+  args.q = P.qa32.as<float>();
+  args.k = P.ka32.as<float>();
+  args.v = P.v32.as<float>();
+  args.cu_seqlens = cu;
   return args;
 }
 
@@ -304,6 +328,15 @@ void LineageCudaModel::mixer_forward(Layer& L, int64_t l, int64_t B, int64_t T) 
   const auto qkv = [&](int j) { return offset<float>(P.qkv32, j * inner, 4); };
   DeviceBuffer* qkv_c[3] = {&P.q_c, &P.k_c, &P.v_c};
 
+  if (L.kind == MixerKind::linear) {
+    const DeviceBuffer* dense[3] = {&P.qa32, &P.ka32, &P.v32};
+    for (int j = 0; j < 3; ++j)
+      k::copy_rows(qkv(j), R, inner, 3 * inner, {dense[j]->data(), kF32}, s);
+    k::linear_attn_forward(linear_attn_args(P, c, B, T, R, cu_seqlens_), P.o32.as<float>(),
+                           a.workspace.data(), a.workspace.bytes(), s);
+    k::convert(P.o32.data(), kF32, P.o_c.data(), kBf16, R * inner, s);
+    return;
+  }
   if (L.kind == MixerKind::softmax) {
     if (L.rope)
       for (int j = 0; j < 2; ++j)
@@ -380,6 +413,15 @@ void LineageCudaModel::mixer_backward(Layer& L, int64_t l, int64_t B, int64_t T)
                     j > 0);
   };
 
+  if (L.kind == MixerKind::linear) {  // fp32 kernel: d_o up from bf16, dq / dk / dv fp32
+    k::convert(a.do_c.data(), kBf16, a.d32a.data(), kF32, R * inner, s);
+    float* d = a.dlinear32.as<float>();
+    k::linear_attn_backward(linear_attn_args(P, c, B, T, R, cu_seqlens_), a.d32a.as<float>(), d,
+                            d + R * inner, d + 2 * R * inner, a.workspace.data(),
+                            a.workspace.bytes(), s);
+    for (int j = 0; j < 3; ++j) project_back_f32(j, d + j * R * inner, inner, *Wqkv[j]);
+    return;
+  }
   if (L.kind == MixerKind::softmax) {
     for_each_attention(B, T, cu_seqlens_, [&](int64_t r0, int64_t len, int64_t batch) {
       const k::AttentionArgs args = attention_args(P, H, dh, r0, len, batch);
@@ -483,7 +525,10 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
     const bool packed = !cu_seqlens_.empty();
     for (size_t li = 0; li < layers_.size(); ++li) {
       const Layer& Lr = layers_[li];
-      if (Lr.kind == MixerKind::softmax) {
+      if (Lr.kind == MixerKind::linear) {
+        const ops::LinearAttnShape shape{packed ? 1 : B, packed ? R : T, H, dh, dh, 0, true};
+        workspace = std::max(workspace, k::linear_attn_workspace_bytes(shape, cu_seqlens_));
+      } else if (Lr.kind == MixerKind::softmax) {
         for_each_attention(B, T, cu_seqlens_, [&](int64_t, int64_t len, int64_t batch) {
           // this layer's own arguments: with its lse set, as the calls below have it (an unset
           // lse would size the split decode path, which refuses batches, for T <= 15)

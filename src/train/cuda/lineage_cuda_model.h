@@ -2,8 +2,8 @@
 // initialisation and forward as the CPU LineageModel, with bf16 compute (cuBLAS GEMMs, the
 // chunked delta-rule kernels, flash attention forward + backward) and fp32 master weights,
 // gradients and AdamW moments on the device (train/cuda/device_params.h). Mixers: softmax
-// attention (RoPE when every layer is softmax), DeltaNet, Gated DeltaNet and KDA (with the
-// short convolutions); linear attention and MLA layers train on the CPU only. Activations of
+// attention (RoPE when every layer is softmax), linear attention (fp32 kernel), DeltaNet, Gated
+// DeltaNet and KDA (with the short convolutions); MLA layers train on the CPU only. Activations of
 // every layer are kept for the backward (no recomputation).
 //
 // Numerics: the CPU model is the fp32 reference; this one rounds GEMM inputs and the mixers'
@@ -22,6 +22,7 @@
 
 #include "ops/attention/cuda/attention_cuda.h"
 #include "ops/delta_rule/cuda/delta_rule_cuda.h"
+#include "ops/linear_attn/cuda/linear_attn_cuda.h"
 #include "train/lineage_model.h"
 #include "train/trainable_model.h"
 
@@ -58,6 +59,9 @@ class LineageCudaModel final : public TrainableModel {
   void mixer_backward(Layer& L, int64_t layer_index, int64_t B, int64_t T);
   static ops::cuda::AttentionArgs attention_args(const PerLayer& P, int64_t H, int64_t dh,
                                                  int64_t r0, int64_t len, int64_t batch);
+  static ops::cuda::LinearAttnDeviceArgs linear_attn_args(const PerLayer& P, const LineageConfig& c,
+                                                          int64_t B, int64_t T, int64_t R,
+                                                          std::span<const int64_t> cu);
   static ops::cuda::DeltaRuleDeviceInputs delta_rule_inputs(const Layer& L, const PerLayer& P,
                                                             const LineageConfig& c, int64_t B,
                                                             int64_t T, int64_t R,
