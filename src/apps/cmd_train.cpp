@@ -59,7 +59,7 @@ void print_usage() {
       "DIR holds config.json, model.safetensors, optimizer.safetensors, trainer_state.json,\n"
       "log.jsonl and loss.svg; Ctrl-C saves a checkpoint before exiting; --resume continues\n"
       "bit for bit. --stop-after N stops (and saves) after N more steps.\n"
-      "--device cuda trains a lineage model (A, L, D, G, K layers) or GPT-2 on the GPU: bf16\n"
+      "--device cuda trains a lineage model (any layer letter) or GPT-2 on the GPU: bf16\n"
       "compute, fp32 master weights and AdamW moments on the device; the checkpoint files are\n"
       "the same, so a run may resume on the other device. --kda-gate bounded: KDA's gate -5 "
       "sigmoid(...) (fla's\n"

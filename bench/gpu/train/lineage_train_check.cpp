@@ -317,7 +317,7 @@ int main(int argc, char** argv) {
   if (!check && !bench_on && !profile) check = true;
   try {
     if (check) {
-      for (const char* pattern : {"AA", "LL", "KK", "GG", "DD", "KKKA"})
+      for (const char* pattern : {"AA", "LL", "KK", "GG", "DD", "KKKA", "KM", "KKKM"})
         for (bool packed : {false, true}) check_gradients(pattern, "softplus", packed, 11);
       check_gradients("KA", "bounded", false, 12);
       check_gradients("KA", "bounded", true, 13);

@@ -14,78 +14,18 @@
 #include "ops/nn/cuda/train_cuda.h"
 #include "ops/nn/cuda/train_mixer_cuda.h"
 #include "train/cuda/device_params.h"
+#include "train/cuda/lineage_cuda_internal.h"
 #include "train/mixer_layer.h"
 
 namespace kda::train::cuda {
 
-namespace k = ops::cuda;
+using namespace lineage_detail;
 using k::check_cuda;
 using k::DeviceBuffer;
 using k::ElementType;
-using Entry = DeviceParams::Entry;
-
-namespace {
-
-constexpr ElementType kF32 = ElementType::f32;
-constexpr ElementType kBf16 = ElementType::bf16;
-
-template <class T = char>
-T* offset(const DeviceBuffer& b, int64_t elements, size_t element_bytes) {
-  return reinterpret_cast<T*>(b.as<char>() + size_t(elements) * element_bytes);
-}
-
-void copy_device(void* to, const void* from, size_t bytes, cudaStream_t s) {
-  check_cuda(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync");
-}
-
-}  // namespace
-
-// One block's parameters (device entries) and kind.
-struct LineageCudaModel::Layer {
-  MixerKind kind = MixerKind::softmax;
-  bool rope = false;
-  Entry *norm1 = nullptr, *norm2 = nullptr, *W1 = nullptr, *W3 = nullptr, *W2 = nullptr;
-  Entry *Wq = nullptr, *Wk = nullptr, *Wv = nullptr, *Wo = nullptr, *Wb = nullptr, *Wg = nullptr;
-  Entry *A_log = nullptr, *dt_bias = nullptr;
-  Entry* conv[3] = {nullptr, nullptr, nullptr};
-  bool delta_family() const {
-    return kind == MixerKind::delta || kind == MixerKind::gated_delta || kind == MixerKind::kda;
-  }
-};
-
-struct LineageCudaModel::Engines {
-  explicit Engines(cudaStream_t s) : gemm(s), wgrad(s) {}
-  k::Gemm gemm;
-  model::cuda::WeightGradGemm wgrad;
-  k::TrainScratch scratch;
-};
-
-// What the forward keeps for the backward (per layer), and the backward's scratch, for R rows.
-// What the forward keeps of one layer for the backward.
-struct LineageCudaModel::PerLayer {
-  DeviceBuffer inv1, a_c, qkv32, q_c, k_c, v_c, g_c, b_c, braw32, graw32, qa32, ka32, v32, o32, lse,
-      o_c, inv2, m_c, up32, act_c;
-};
-
-struct LineageCudaModel::Activations {
-  int64_t R = 0, capacity = 0;                   // rows of this call; rows the buffers hold
-  DeviceBuffer ids, targets, positions, result;  // result: loss sum (f32), correct, scored (i32)
-  std::vector<DeviceBuffer> h;  // residual stream fp32 [R, d]: h[2l] enters layer l's mixer,
-                                // h[2l + 1] its MLP, h[2L] the final norm
-  std::vector<PerLayer> layers;
-  DeviceBuffer invf, hf_c, logits;
-  DeviceBuffer dh, dtmp, dan, dy_c, d32a, d32b, dbig32, do_c, dq_c, dk_c, dv_c, dg_c, db_c, dA, ddt,
-      dlinear32, workspace;
-};
 
 LineageCudaModel::LineageCudaModel(std::unique_ptr<LineageModel> host) : host_(std::move(host)) {
   const LineageConfig& c = host_->config();
-  for (char letter : c.pattern) {
-    const MixerKind kind = mixer_from_letter(letter);
-    require(kind != MixerKind::mla,
-            "lineage model (cuda): mla layers train on the CPU only (softmax, linear, delta, "
-            "gated_delta and kda run on the GPU)");
-  }
   require(c.head_dim == 64 || c.head_dim == 128,
           "lineage model (cuda): head_dim must be 64 or 128 (the chunked kernels' sizes)");
   check_cuda(cudaStreamCreate(&stream_), "cudaStreamCreate");
@@ -104,9 +44,16 @@ LineageCudaModel::LineageCudaModel(std::unique_ptr<LineageModel> host) : host_(s
     L.W3 = p("mlp.up");
     L.W2 = p("mlp.down");
     L.Wq = p("mixer.q");
+    L.Wo = p("mixer.o");
+    if (L.kind == MixerKind::mla) {
+      L.kv_a = p("mixer.kv_a");
+      L.kv_a_norm = p("mixer.kv_a_norm");
+      L.kv_b = p("mixer.kv_b");
+      layers_.push_back(L);
+      continue;
+    }
     L.Wk = p("mixer.k");
     L.Wv = p("mixer.v");
-    L.Wo = p("mixer.o");
     if (L.delta_family()) {
       L.Wb = p("mixer.b");
       L.conv[0] = p("mixer.q_conv");
@@ -173,10 +120,23 @@ void LineageCudaModel::ensure_activations(int64_t R) {
     PerLayer p;
     p.inv1 = f32(R);
     p.a_c = bf(R * d);
-    p.qkv32 = f32(R * 3 * inner);
-    p.q_c = bf(R * inner);
-    p.k_c = bf(R * inner);
-    p.v_c = bf(R * inner);
+    if (L.kind == MixerKind::mla) {
+      const MlaSizes m(c.head_dim);
+      p.q_c = bf(R * H * m.qk);
+      p.k_c = bf(R * H * m.qk);
+      p.v_c = bf(R * inner);
+      p.rows32 = f32(R * m.row);
+      p.lat32 = f32(R * m.latent);
+      p.inv_lat = f32(R);
+      p.latn_c = bf(R * m.latent);
+      p.o32 = f32(R * inner);
+      p.lse = f32(R * H);
+    } else {
+      p.qkv32 = f32(R * 3 * inner);
+      p.q_c = bf(R * inner);
+      p.k_c = bf(R * inner);
+      p.v_c = bf(R * inner);
+    }
     if (L.kind == MixerKind::softmax) {
       p.o32 = f32(R * inner);
       p.lse = f32(R * H);
@@ -211,7 +171,8 @@ void LineageCudaModel::ensure_activations(int64_t R) {
   a->dh = f32(R * d);
   a->dtmp = f32(R * d);
   a->dan = f32(R * d);
-  a->dy_c = bf(R * std::max({V, 2 * F, d, inner}));
+  const MlaSizes m(c.head_dim);  // (MLA layers only)
+  a->dy_c = bf(R * std::max({V, 2 * F, d, 2 * inner, m.row}));
   a->d32a = f32(R * std::max(F, inner));
   a->d32b = f32(R * inner);
   a->dbig32 = f32(R * 2 * F);
@@ -225,24 +186,24 @@ void LineageCudaModel::ensure_activations(int64_t R) {
   a->ddt = f32(inner);
   for (const Layer& L : layers_)
     if (L.kind == MixerKind::linear) a->dlinear32 = f32(3 * R * inner);
+  if (std::any_of(layers_.begin(), layers_.end(),
+                  [](const Layer& L) { return L.kind == MixerKind::mla; })) {
+    a->dqm_c = bf(R * H * m.qk);
+    a->dkm_c = bf(R * H * m.qk);
+    a->dkeys32 = f32(R * H * m.qk);
+    a->dvalues32 = f32(R * inner);
+    a->dkvb32 = f32(R * H * (m.nope + m.v));
+    a->drows32 = f32(R * m.row);
+    a->dlat32 = f32(R * m.latent);
+    // rope_sum[h qk + nope + r, r] = 1: d(k_rope) = sum over heads of their rope-key gradients
+    std::vector<float> sum(size_t(H * m.qk * m.rope), 0.0f);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t r = 0; r < m.rope; ++r) sum[size_t((h * m.qk + m.nope + r) * m.rope + r)] = 1;
+    a->rope_sum = f32(H * m.qk * m.rope);
+    a->rope_sum.upload(sum.data(), sum.size() * 4);
+  }
   acts_ = std::move(a);
 }
-
-namespace {
-
-// The attention calls of one layer: one batched call over B rows of T tokens, or one call per
-// packed document.
-template <class Fn>
-void for_each_attention(int64_t B, int64_t T, const std::vector<int64_t>& cu_seqlens, Fn&& fn) {
-  if (cu_seqlens.empty()) {
-    fn(int64_t(0), T, B);
-    return;
-  }
-  for (size_t n = 0; n + 1 < cu_seqlens.size(); ++n)
-    fn(cu_seqlens[n], cu_seqlens[n + 1] - cu_seqlens[n], int64_t(1));
-}
-
-}  // namespace
 
 // One attention call's arguments over layer P's q, k, v (bf16 [R, H, dh]) from row r0: `batch`
 // sequences of `len` tokens; o (fp32) and lse where the forward keeps them.
@@ -313,6 +274,7 @@ ops::cuda::DeltaRuleDeviceInputs LineageCudaModel::delta_rule_inputs(
 }
 
 void LineageCudaModel::mixer_forward(Layer& L, int64_t l, int64_t B, int64_t T) {
+  if (L.kind == MixerKind::mla) return mla_forward(L, l, B, T);
   const LineageConfig& c = host_->config();
   Activations& a = *acts_;
   PerLayer& P = a.layers[size_t(l)];
@@ -378,23 +340,8 @@ void LineageCudaModel::mixer_forward(Layer& L, int64_t l, int64_t B, int64_t T) 
   k::chunk_forward(in, P.o_c.data(), nullptr, a.workspace.data(), a.workspace.bytes(), s);
 }
 
-namespace {
-
-// dW[out, in] += dy^T x and dx[rows, in] (=, or += with accumulate) dy W, with dy bf16
-// [rows, out] (row stride ld_dy) and x bf16 [rows, in] (row stride ld_x); no dx when dx.data
-// is null.
-void linear_backward(k::Gemm& gemm, model::cuda::WeightGradGemm& wgrad, int64_t rows, int64_t in,
-                     int64_t out, const void* dy_c, int64_t ld_dy, const void* x_c, int64_t ld_x,
-                     const Entry& W, k::Gemm::Output dx, bool accumulate) {
-  wgrad.weight_gradient(kBf16, rows, out, in, dy_c, ld_dy, x_c, ld_x, W.g(), 1.f);
-  if (dx.data)
-    gemm.matmul(kBf16, rows, in, out, {dy_c, ld_dy}, {W.compute(), in}, dx, 1.f,
-                accumulate ? 1.f : 0.f);
-}
-
-}  // namespace
-
 void LineageCudaModel::mixer_backward(Layer& L, int64_t l, int64_t B, int64_t T) {
+  if (L.kind == MixerKind::mla) return mla_backward(L, l, B, T);
   const LineageConfig& c = host_->config();
   Activations& a = *acts_;
   PerLayer& P = a.layers[size_t(l)];
@@ -525,7 +472,13 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
     const bool packed = !cu_seqlens_.empty();
     for (size_t li = 0; li < layers_.size(); ++li) {
       const Layer& Lr = layers_[li];
-      if (Lr.kind == MixerKind::linear) {
+      if (Lr.kind == MixerKind::mla) {
+        for_each_attention(B, T, cu_seqlens_, [&](int64_t, int64_t len, int64_t batch) {
+          const k::AttentionArgs args = mla_workspace_args(a.layers[li], len, batch);
+          workspace = std::max({workspace, k::attention_workspace_bytes(args),
+                                k::attention_backward_workspace_bytes(args)});
+        });
+      } else if (Lr.kind == MixerKind::linear) {
         const ops::LinearAttnShape shape{packed ? 1 : B, packed ? R : T, H, dh, dh, 0, true};
         workspace = std::max(workspace, k::linear_attn_workspace_bytes(shape, cu_seqlens_));
       } else if (Lr.kind == MixerKind::softmax) {

@@ -3,7 +3,7 @@
 // chunked delta-rule kernels, flash attention forward + backward) and fp32 master weights,
 // gradients and AdamW moments on the device (train/cuda/device_params.h). Mixers: softmax
 // attention (RoPE when every layer is softmax), linear attention (fp32 kernel), DeltaNet, Gated
-// DeltaNet and KDA (with the short convolutions); MLA layers train on the CPU only. Activations of
+// DeltaNet and KDA (with the short convolutions), and Kimi's NoPE MLA. Activations of
 // every layer are kept for the backward (no recomputation).
 //
 // Numerics: the CPU model is the fp32 reference; this one rounds GEMM inputs and the mixers'
@@ -49,14 +49,20 @@ class LineageCudaModel final : public TrainableModel {
   std::vector<float> gradient(const std::string& name);
   const LineageConfig& config() const { return host_->config(); }
 
- private:
+  // The model's parts (defined in train/cuda/lineage_cuda_internal.h).
   struct Layer;
   struct PerLayer;
   struct Activations;
   struct Engines;
+
+ private:
   void ensure_activations(int64_t R);
   void mixer_forward(Layer& L, int64_t layer_index, int64_t B, int64_t T);
   void mixer_backward(Layer& L, int64_t layer_index, int64_t B, int64_t T);
+  // The MLA mixer (lineage_cuda_mla.cpp).
+  void mla_forward(Layer& L, int64_t layer_index, int64_t B, int64_t T);
+  void mla_backward(Layer& L, int64_t layer_index, int64_t B, int64_t T);
+  ops::cuda::AttentionArgs mla_workspace_args(const PerLayer& P, int64_t len, int64_t batch) const;
   static ops::cuda::AttentionArgs attention_args(const PerLayer& P, int64_t H, int64_t dh,
                                                  int64_t r0, int64_t len, int64_t batch);
   static ops::cuda::LinearAttnDeviceArgs linear_attn_args(const PerLayer& P, const LineageConfig& c,
