@@ -362,11 +362,11 @@ void LineageCudaModel::mixer_backward(Layer& L, int64_t l, int64_t B, int64_t T)
 
   if (L.kind == MixerKind::linear) {  // fp32 kernel: d_o up from bf16, dq / dk / dv fp32
     k::convert(a.do_c.data(), kBf16, a.d32a.data(), kF32, R * inner, s);
-    float* d = a.dlinear32.as<float>();
-    k::linear_attn_backward(linear_attn_args(P, c, B, T, R, cu_seqlens_), a.d32a.as<float>(), d,
-                            d + R * inner, d + 2 * R * inner, a.workspace.data(),
+    float* dqkv = a.dlinear32.as<float>();
+    k::linear_attn_backward(linear_attn_args(P, c, B, T, R, cu_seqlens_), a.d32a.as<float>(), dqkv,
+                            dqkv + R * inner, dqkv + 2 * R * inner, a.workspace.data(),
                             a.workspace.bytes(), s);
-    for (int j = 0; j < 3; ++j) project_back_f32(j, d + j * R * inner, inner, *Wqkv[j]);
+    for (int j = 0; j < 3; ++j) project_back_f32(j, dqkv + j * R * inner, inner, *Wqkv[j]);
     return;
   }
   if (L.kind == MixerKind::softmax) {
@@ -475,19 +475,22 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
       if (Lr.kind == MixerKind::mla) {
         for_each_attention(B, T, cu_seqlens_, [&](int64_t, int64_t len, int64_t batch) {
           const k::AttentionArgs args = mla_workspace_args(a.layers[li], len, batch);
-          workspace = std::max({workspace, k::attention_workspace_bytes(args),
-                                k::attention_backward_workspace_bytes(args)});
+          workspace =
+              std::max({workspace, k::attention_workspace_bytes(args),
+                        backward ? k::attention_backward_workspace_bytes(args) : size_t(0)});
         });
       } else if (Lr.kind == MixerKind::linear) {
         const ops::LinearAttnShape shape{packed ? 1 : B, packed ? R : T, H, dh, dh, 0, true};
+        // (one size for both calls: the backward's, which holds the forward's)
         workspace = std::max(workspace, k::linear_attn_workspace_bytes(shape, cu_seqlens_));
       } else if (Lr.kind == MixerKind::softmax) {
         for_each_attention(B, T, cu_seqlens_, [&](int64_t, int64_t len, int64_t batch) {
           // this layer's own arguments: with its lse set, as the calls below have it (an unset
           // lse would size the split decode path, which refuses batches, for T <= 15)
           const k::AttentionArgs args = attention_args(a.layers[li], H, dh, 0, len, batch);
-          workspace = std::max({workspace, k::attention_workspace_bytes(args),
-                                k::attention_backward_workspace_bytes(args)});
+          workspace =
+              std::max({workspace, k::attention_workspace_bytes(args),
+                        backward ? k::attention_backward_workspace_bytes(args) : size_t(0)});
         });
       } else {
         ops::DeltaRuleShape shape{
