@@ -93,3 +93,23 @@ TEST(CliBench, BadFlagsGiveOneClearError) {
 }
 
 }  // namespace
+
+namespace {
+
+// A recall cell that fails inside a worker thread (here: training on a GPU this machine does not
+// have, or a build without CUDA) ends the command with one clear error, not a crash.
+TEST(CliBench, RecallOnCudaWithoutAGpuFailsCleanly) {
+  const CommandResult r =
+      run("bench recall --quick --steps 2 --lengths 64 --tasks mqar "
+          "--mixers kda,softmax --jobs 2 --device cuda --out " +
+          (kOut / "recall_cuda").string());
+  if (r.status == 0) GTEST_SKIP() << "a GPU is present: " << r.output;
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_TRUE(r.output.find("cuda") != std::string::npos ||
+              r.output.find("CUDA") != std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("terminate"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("internal error"), std::string::npos) << r.output;
+}
+
+}  // namespace

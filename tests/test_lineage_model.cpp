@@ -10,6 +10,7 @@
 #include "core/random.h"
 #include "train/adamw.h"
 #include "train/lineage_model.h"
+#include "train/model_factory.h"
 #include "train/tasks.h"
 
 namespace kda {
@@ -142,6 +143,23 @@ TEST(LineageModel, KdaGateOptionChangesTheLayerAndIsValidated) {
   LineageConfig bad = soft;
   bad.kda_gate = "sigmoid";
   EXPECT_THROW(bad.validate(), Error);
+}
+
+// Checkpoint configs keep the gate settings, and older ones (without them) read as the defaults.
+TEST(LineageModel, ConfigJsonKeepsTheGateSettings) {
+  LineageConfig c{64, 32, 2, 16, 64, "KKKA"};
+  c.kda_gate = "bounded";
+  c.gate_dt_max = 0.01f;
+  const LineageConfig back = train::lineage_config_from_json(train::lineage_config_json(c));
+  EXPECT_EQ(back.kda_gate, "bounded");
+  EXPECT_EQ(back.gate_dt_max, 0.01f);
+  EXPECT_EQ(back.pattern, "KKKA");
+  nlohmann::json older = train::lineage_config_json(LineageConfig{64, 32, 2, 16, 64, "KA"});
+  older.erase("kda_gate");
+  older.erase("gate_init_dt_max");
+  const LineageConfig old_back = train::lineage_config_from_json(older);
+  EXPECT_EQ(old_back.kda_gate, "softplus");
+  EXPECT_EQ(old_back.gate_dt_max, 0.1f);
 }
 
 TEST(LineageModel, AdamWFitsAFixedBatch) {
