@@ -24,14 +24,6 @@ namespace {
 namespace fs = std::filesystem;
 using model::cuda::Gpt2CudaTrainer;
 
-std::vector<double> widen(const std::vector<float>& v) {
-  return std::vector<double>(v.begin(), v.end());
-}
-
-std::vector<double> widen(const Tensor& t) {
-  return std::vector<double>(t.f32(), t.f32() + t.numel());
-}
-
 void fail(Tally& tally, const std::string& name, const std::string& why) {
   std::printf("CHECK %-60s FAIL (%s)\n", name.c_str(), why.c_str());
   std::fflush(stdout);

@@ -9,12 +9,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/error.h"
 #include "core/random.h"
+#include "core/tensor.h"
 #include "ops/common/device_buffer.h"
 #include "ops/common/device_types.h"
 
@@ -110,6 +113,55 @@ inline std::vector<double> from_device(const void* p, size_t n, ElementType type
 // NaN bytes everywhere (0xFF..): unwritten outputs show up as NaN.
 inline void poison(void* p, size_t bytes) {
   ops::cuda::check_cuda(cudaMemset(p, 0xFF, bytes), "poison");
+}
+
+// fp32 values widened for rel_error.
+inline std::vector<double> widen(const std::vector<float>& v) {
+  return std::vector<double>(v.begin(), v.end());
+}
+
+inline std::vector<double> widen(const Tensor& t) {
+  return std::vector<double>(t.f32(), t.f32() + t.numel());
+}
+
+// Host arrays to new device buffers, and fp32 device values back.
+inline DeviceBuffer upload(const std::vector<float>& v) {
+  DeviceBuffer b(v.size() * sizeof(float));
+  b.upload(v.data(), b.bytes());
+  return b;
+}
+
+inline DeviceBuffer upload_ints(const std::vector<int32_t>& v) {
+  DeviceBuffer b(v.size() * sizeof(int32_t));
+  b.upload(v.data(), b.bytes());
+  return b;
+}
+
+inline std::vector<float> download(const void* p, size_t n) {
+  std::vector<float> out(n);
+  ops::cuda::check_cuda(cudaMemcpy(out.data(), p, n * sizeof(float), cudaMemcpyDeviceToHost),
+                        "download");
+  return out;
+}
+
+inline bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+inline void report_same(Tally& tally, const std::string& name, bool same) {
+  report(tally, name, same ? 0.0 : 1.0, 0.0);
+}
+
+// A check that fn throws kda::Error (bad arguments are refused before anything is queued).
+template <class Fn>
+void report_throws(Tally& tally, const std::string& name, Fn&& fn) {
+  bool threw = false;
+  try {
+    fn();
+  } catch (const kda::Error&) {
+    threw = true;
+  }
+  report(tally, name + " throws kda::Error", threw ? 0.0 : 1.0, 0.0);
 }
 
 // Median milliseconds of `reps` runs of fn on `stream` after `warmup` runs (CUDA events).

@@ -44,51 +44,10 @@ void sync() {
   cu::check_cuda(cudaDeviceSynchronize(), "lineage_ops check sync");
 }
 
-std::vector<double> widen(const std::vector<float>& v) {
-  return std::vector<double>(v.begin(), v.end());
-}
-
 DeviceBuffer poisoned(size_t bytes) {
   DeviceBuffer b(bytes);
   poison(b.data(), b.bytes());
   return b;
-}
-
-DeviceBuffer upload(const std::vector<float>& v) {
-  DeviceBuffer b(v.size() * sizeof(float));
-  b.upload(v.data(), b.bytes());
-  return b;
-}
-
-DeviceBuffer upload_ints(const std::vector<int32_t>& v) {
-  DeviceBuffer b(v.size() * sizeof(int32_t));
-  b.upload(v.data(), b.bytes());
-  return b;
-}
-
-std::vector<float> download(const void* p, size_t n) {
-  std::vector<float> out(n);
-  cu::check_cuda(cudaMemcpy(out.data(), p, n * sizeof(float), cudaMemcpyDeviceToHost), "download");
-  return out;
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
-void report_same(Tally& tally, const std::string& name, bool same) {
-  report(tally, name, same ? 0.0 : 1.0, 0.0);
-}
-
-template <class Fn>
-void report_throws(Tally& tally, const std::string& name, Fn&& fn) {
-  bool threw = false;
-  try {
-    fn();
-  } catch (const kda::Error&) {
-    threw = true;
-  }
-  report(tally, name + " throws kda::Error", threw ? 0.0 : 1.0, 0.0);
 }
 
 // ---- sequence layouts ----

@@ -36,16 +36,6 @@ void sync() {
   cu::check_cuda(cudaDeviceSynchronize(), "linear_attn check sync");
 }
 
-std::vector<double> widen(const std::vector<float>& v) {
-  return std::vector<double>(v.begin(), v.end());
-}
-
-DeviceBuffer upload(const std::vector<float>& v) {
-  DeviceBuffer b(v.size() * sizeof(float));
-  b.upload(v.data(), b.bytes());
-  return b;
-}
-
 DeviceBuffer poisoned(size_t floats) {
   DeviceBuffer b(floats * sizeof(float));
   poison(b.data(), b.bytes());
@@ -56,10 +46,6 @@ std::vector<float> download(const DeviceBuffer& b) {
   std::vector<float> out(b.bytes() / sizeof(float));
   b.download(out.data(), b.bytes());
   return out;
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 double norm(const std::vector<double>& x) {
@@ -356,17 +342,6 @@ void check_deterministic(const Case& c, int64_t K, int64_t V, bool normalize, Ta
   const DeviceRun a = run_backward(d), b = run_backward(d);
   const bool same = same_bits(a.dq, b.dq) && same_bits(a.dk, b.dk) && same_bits(a.dv, b.dv);
   report(tally, "linear_attn backward twice same bits " + describe(c, s), same ? 0.0 : 1.0, 0.0);
-}
-
-template <class Fn>
-void report_throws(Tally& tally, const std::string& name, Fn&& fn) {
-  bool threw = false;
-  try {
-    fn();
-  } catch (const kda::Error&) {
-    threw = true;
-  }
-  report(tally, "linear_attn " + name + " throws kda::Error", threw ? 0.0 : 1.0, 0.0);
 }
 
 void check_argument_errors(Tally& tally) {

@@ -34,10 +34,6 @@ std::vector<int32_t> ids_of(const SafetensorsFile& f, const std::string& name) {
   return ids;
 }
 
-std::vector<double> widen(const Tensor& t) {
-  return std::vector<double>(t.f32(), t.f32() + t.numel());
-}
-
 double next_token_loss(const Tensor& logits, const std::vector<int32_t>& ids) {
   const int64_t V = logits.dim(1);
   double total = 0;

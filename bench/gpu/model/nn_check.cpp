@@ -33,9 +33,6 @@ const char* type_name(ElementType t) {
   return t == ElementType::f32 ? "f32" : "bf16";
 }
 
-std::vector<double> widen(const std::vector<float>& v) {
-  return std::vector<double>(v.begin(), v.end());
-}
 std::vector<float> narrow(const std::vector<double>& v) {
   return std::vector<float>(v.begin(), v.end());
 }

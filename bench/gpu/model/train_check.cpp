@@ -31,52 +31,11 @@ void sync() {
   cu::check_cuda(cudaDeviceSynchronize(), "train check sync");
 }
 
-std::vector<double> widen(const std::vector<float>& v) {
-  return std::vector<double>(v.begin(), v.end());
-}
-
 // A poisoned fp32 device array of n values.
 DeviceBuffer poisoned(size_t n) {
   DeviceBuffer b(n * sizeof(float));
   poison(b.data(), b.bytes());
   return b;
-}
-
-DeviceBuffer upload(const std::vector<float>& v) {
-  DeviceBuffer b(v.size() * sizeof(float));
-  b.upload(v.data(), b.bytes());
-  return b;
-}
-
-DeviceBuffer upload_ids(const std::vector<int32_t>& v) {
-  DeviceBuffer b(v.size() * sizeof(int32_t));
-  b.upload(v.data(), b.bytes());
-  return b;
-}
-
-std::vector<float> download(const void* p, size_t n) {
-  std::vector<float> out(n);
-  cu::check_cuda(cudaMemcpy(out.data(), p, n * sizeof(float), cudaMemcpyDeviceToHost), "download");
-  return out;
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
-void report_same(Tally& tally, const std::string& name, bool same) {
-  report(tally, name, same ? 0.0 : 1.0, 0.0);
-}
-
-template <class Fn>
-void report_throws(Tally& tally, const std::string& name, Fn&& fn) {
-  bool threw = false;
-  try {
-    fn();
-  } catch (const kda::Error&) {
-    threw = true;
-  }
-  report(tally, name + " throws kda::Error", threw ? 0.0 : 1.0, 0.0);
 }
 
 std::string dims(int64_t rows, int64_t D) {
@@ -293,7 +252,7 @@ void check_embedding_backward(int64_t rows, int64_t D, int64_t vocab, int64_t di
     if (ids[r] < 0 || ids[r] >= vocab) continue;
     for (int64_t i = 0; i < D; ++i) ref[int64_t(ids[r]) * D + i] += dy[r * D + i];
   }
-  const DeviceBuffer d_ids = upload_ids(ids), d_dy = upload(dy);
+  const DeviceBuffer d_ids = upload_ints(ids), d_dy = upload(dy);
   cu::TrainScratch scratch;
   std::vector<float> runs[2];
   for (int run = 0; run < 2; ++run) {
@@ -344,7 +303,7 @@ void check_cross_entropy(int64_t rows, int64_t V, ElementType type, bool in_plac
           (std::exp(lr[v] - lr[best]) / sum - (v == targets[r] ? 1.0 : 0.0)) / double(count);
   }
 
-  const DeviceBuffer d_targets = upload_ids(targets);
+  const DeviceBuffer d_targets = upload_ints(targets);
   cu::TrainScratch scratch;
   DeviceBuffer scalars(3 * sizeof(float));  // loss_sum, correct, scored
   std::vector<float> d_runs[2], loss_runs[2];
@@ -385,7 +344,7 @@ void check_cross_entropy_unscored(Tally& tally) {
   const int64_t rows = 4, V = 1000;
   const std::vector<float> logits = random_values(size_t(rows * V), fresh_seed(), 6.f);
   const std::vector<int32_t> targets(size_t(rows), -1);
-  const DeviceBuffer d_logits = upload(logits), d_targets = upload_ids(targets);
+  const DeviceBuffer d_logits = upload(logits), d_targets = upload_ints(targets);
   DeviceBuffer d_out = poisoned(size_t(rows * V)), scalars(2 * sizeof(float));
   poison(scalars.data(), scalars.bytes());
   cu::TrainScratch scratch;
