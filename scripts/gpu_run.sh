@@ -18,7 +18,8 @@
 #           CPU one and its throughput; then, when KDA_RECALL is set,
 #           `kda bench recall --device cuda $KDA_RECALL`.
 #           KDA_SKIP_KERNELS / KDA_SKIP_TRAIN_CHECK skip the kernel suites / the trainer checks;
-#           KDA_TRAIN_BENCH=--check skips the trainer's throughput; KDA_NSYS profiles one step.
+#           KDA_TRAIN_BENCH=--check skips the trainer's throughput; KDA_PROFILE=1 times a 125M
+#           step by stage (kda_gpu_train --profile); KDA_NSYS profiles one step with nsys.
 #
 # Logs and tables go to $OUT when set (the device tool's output folder), else out/gpu/.
 # Exit status: non-zero if the build fails or any check fails.
@@ -63,6 +64,11 @@ if [ "$mode" = "--train" ]; then
     timeout 300 ./build-gpu-app/bin/kda_gpu_train --check ${KDA_TRAIN_BENCH:---bench} 2>&1 |
       tee "$log_dir/lineage_train.log" | grep -v "^CHECK.*PASS"
     [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+  fi
+  if [ -n "${KDA_PROFILE:-}" ]; then
+    echo "== kda_gpu_train --profile: a 125M step's time by stage (softmax, then the KDA hybrid)"
+    timeout 120 ./build-gpu-app/bin/kda_gpu_train --profile 2>&1 | tee "$log_dir/train_profile.log" |
+      grep -E "PROFILE|BENCH"
   fi
   if [ -n "${KDA_NSYS:-}" ] && command -v nsys >/dev/null; then
     echo "== nsys: where a 125M softmax training step spends its time (kernels, top 30)"

@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -76,6 +77,16 @@ void check_gradients(const std::string& pattern, const std::string& gate, bool p
   for (train::Param* p : cpu->params())
     if (p->decay)
       for (float& w : p->value.span_f32()) w *= 3.0f;
+  // the CPU model again with every weight moved by up to 2^-8 (bf16's rounding): how much its
+  // own gradients move measures how ill-conditioned each one is (below)
+  auto nudged = std::make_unique<LineageModel>(config, seed);
+  Random nudge(seed + 7);
+  for (size_t i = 0; i < cpu->params().size(); ++i) {
+    const Tensor& from = cpu->params()[i]->value;
+    float* to = nudged->params()[i]->value.f32();
+    for (int64_t j = 0; j < from.numel(); ++j)
+      to[j] = from.f32()[j] * (1.0f + float(nudge.uniform(-1, 1)) / 256.0f);
+  }
   auto gpu_host = std::make_unique<LineageModel>(config, seed);
   for (size_t i = 0; i < cpu->params().size(); ++i) {
     const Tensor& from = cpu->params()[i]->value;
@@ -91,30 +102,45 @@ void check_gradients(const std::string& pattern, const std::string& gate, bool p
   gpu.zero_grad();
   const auto rc = cpu->forward_backward(b.inputs.data(), b.targets.data(), B, T, true, cu);
   const auto rg = gpu.forward_backward(b.inputs.data(), b.targets.data(), B, T, true, cu);
+  nudged->zero_grad();
+  nudged->forward_backward(b.inputs.data(), b.targets.data(), B, T, true, cu);
   const std::string tag =
       pattern + (gate == "bounded" ? " bounded" : "") + (packed ? " packed" : " B=2 T=100");
   report("lineage_train " + tag + " loss", std::abs(rg.loss - rc.loss) / std::abs(rc.loss), 5e-3);
   report("lineage_train " + tag + " scored", rg.scored == rc.scored ? 0.0 : 1.0, 0);
   // The gate's parameters (mixer.g, A_log, dt_bias) see the gate through bf16 pre-activations,
-  // as fla's kernels do (its own bound for dg is 2e-2 at the op), and dt_bias's gradient is a
-  // sum over tokens of terms of both signs that largely cancel: 8e-2; everything else 3e-2.
-  double worst[2] = {0, 0};
-  std::string worst_name[2];
-  for (train::Param* p : cpu->params()) {
+  // as fla's kernels do (its own bound for dg is 2e-2 at the op), and A_log's / dt_bias's
+  // gradients are sums over tokens of terms of both signs that can cancel almost entirely (in
+  // KKKM the upper layers' dA_log is 25x smaller than in KKKA, and a 2^-8 nudge of the weights
+  // moves the CPU's own value by 15 %). So a gate parameter's bound is 8e-2 or 4x what the
+  // nudge does to the CPU's gradient, whichever is larger; everything else 3e-2.
+  double worst = 0, worst_gate = 0;  // gate: error over its bound
+  std::string worst_name, worst_gate_name;
+  for (size_t i = 0; i < cpu->params().size(); ++i) {
+    const train::Param* p = cpu->params()[i];
     const std::vector<float> g = gpu.gradient(p->name);
     const double rel = rel_error(g.data(), p->grad.f32(), g.size());
     const bool gate_param = p->name.find("mixer.g") != std::string::npos ||
                             p->name.find("A_log") != std::string::npos ||
                             p->name.find("dt_bias") != std::string::npos;
-    if (!(rel <= worst[gate_param])) {
-      worst[gate_param] = rel;
-      worst_name[gate_param] = p->name;
+    if (!gate_param) {
+      if (!(rel <= worst)) worst = rel, worst_name = p->name;
+      continue;
+    }
+    const double noise =
+        rel_error(nudged->params()[i]->grad.f32(), p->grad.f32(), size_t(p->grad.numel()));
+    const double bound = std::max(8e-2, 4 * noise);
+    if (!(rel / bound <= worst_gate)) {
+      worst_gate = rel / bound;
+      char detail[96];
+      std::snprintf(detail, sizeof detail, "%s %.2e, bound %.2e", p->name.c_str(), rel, bound);
+      worst_gate_name = detail;
     }
   }
-  report("lineage_train " + tag + " gradients (worst: " + worst_name[0] + ")", worst[0], 3e-2);
-  if (!worst_name[1].empty())
-    report("lineage_train " + tag + " gate gradients (worst: " + worst_name[1] + ")", worst[1],
-           8e-2);
+  report("lineage_train " + tag + " gradients (worst: " + worst_name + ")", worst, 3e-2);
+  if (!worst_gate_name.empty())
+    report("lineage_train " + tag + " gate grads / bound (" + worst_gate_name + ")", worst_gate,
+           1.0);
 }
 
 // AdamW on the device against the host AdamW given the same gradients (the GPU's, copied to the
@@ -255,7 +281,8 @@ void check_gpt2() {
 // Tokens/s of forward + backward + AdamW for a model of `pattern` at B rows of T tokens: the
 // ~125M ones (12 layers, width 768) by default, the recall benchmark's 2-layer ones when small.
 void bench(const std::string& name, const std::string& pattern, int64_t B, int64_t T,
-           bool small = false) {
+           bool small = false, bool profile = false) {
+  if (profile) setenv("KDA_CUDA_PROFILE", "1", 1);  // read when the model is made
   LineageConfig config{50304, 768, 6, 128, 2048, pattern};
   if (small) config = {8192, 256, 2, 128, 512, pattern};
   config.kda_gate = "bounded";
@@ -272,6 +299,7 @@ void bench(const std::string& name, const std::string& pattern, int64_t B, int64
   step();
   step();
   cudaDeviceSynchronize();
+  gpu.reset_profile();  // the warm-up steps load modules and pick GEMM algorithms
   const int iters = 5;
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < iters; ++i) step();
@@ -279,6 +307,16 @@ void bench(const std::string& name, const std::string& pattern, int64_t B, int64
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
       iters;
+  if (profile) {  // the stages of every step so far (3 warm-up + timed), and AdamW alone
+    unsetenv("KDA_CUDA_PROFILE");
+    const auto o0 = std::chrono::steady_clock::now();
+    o->step();
+    cudaDeviceSynchronize();
+    std::fprintf(
+        stderr, "PROFILE   %-16s %10.3f ms (one step)\n", "adamw",
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - o0).count());
+    gpu.report_profile(name + " (" + std::to_string(iters) + " steps)");
+  }
   int64_t n_params = 0;
   for (train::Param* p : gpu.params()) n_params += p->value.numel();
   const int64_t n_embed = config.vocab * config.width;  // the lookup is no matmul
@@ -325,7 +363,10 @@ int main(int argc, char** argv) {
       check_learns();
       check_gpt2();
     }
-    if (profile) bench("softmax", "AAAAAAAAAAAA", 8, 2048);
+    if (profile) {  // one softmax and one hybrid step, stage by stage (KDA_CUDA_PROFILE)
+      bench("softmax", "AAAAAAAAAAAA", 8, 2048, false, true);
+      bench("kda_hybrid", "KKKAKKKAKKKA", 8, 2048, false, true);
+    }
     if (bench_on) {
       for (const auto& [B, T] : {std::pair<int64_t, int64_t>{8, 2048}, {1, 16384}}) {
         bench("softmax", "AAAAAAAAAAAA", B, T);

@@ -31,11 +31,12 @@ class StageTimer {
     t.calls++;
     last_ = now;
   }
+  void reset() { totals_.clear(); }  // e.g. after warm-up steps (lazy module loading)
   void report(const std::string& title) const {
     if (!enabled_ || totals_.empty()) return;
     std::fprintf(stderr, "PROFILE %s\n", title.c_str());
     for (const auto& [stage, t] : totals_)
-      std::fprintf(stderr, "PROFILE   %-10s %10.3f ms  %8lld calls\n", stage.c_str(), t.ms,
+      std::fprintf(stderr, "PROFILE   %-16s %10.3f ms  %8lld calls\n", stage.c_str(), t.ms,
                    (long long)t.calls);
   }
 

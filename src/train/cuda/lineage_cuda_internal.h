@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "model/cuda/gpt2_train_kernels.h"
+#include "model/cuda/stage_timer.h"
 #include "ops/common/device_buffer.h"
 #include "ops/gemm/cuda/gemm_cuda.h"
 #include "ops/nn/cuda/train_cuda.h"
@@ -94,6 +95,7 @@ struct LineageCudaModel::Engines {
   ops::cuda::Gemm gemm;
   model::cuda::WeightGradGemm wgrad;
   ops::cuda::TrainScratch scratch;
+  model::cuda::StageTimer timer;  // KDA_CUDA_PROFILE: time per stage of a step (synchronises)
 };
 
 // What the forward keeps of one layer for the backward.

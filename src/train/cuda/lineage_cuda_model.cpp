@@ -89,6 +89,14 @@ void LineageCudaModel::pull_values() {
 void LineageCudaModel::push_values() {
   params_->push();
 }
+void LineageCudaModel::report_profile(const std::string& title) const {
+  engines_->timer.report(title);
+}
+
+void LineageCudaModel::reset_profile() {
+  engines_->timer.reset();
+}
+
 std::vector<float> LineageCudaModel::gradient(const std::string& name) {
   return params_->gradient(name);
 }
@@ -287,6 +295,7 @@ void LineageCudaModel::mixer_forward(Layer& L, int64_t l, int64_t B, int64_t T) 
   for (int j = 0; j < 3; ++j)
     gemm.linear(kBf16, R, inner, d, {P.a_c.data(), d}, {Wqkv[j]->compute(), d},
                 {offset(P.qkv32, j * inner, 4), kF32, 3 * inner});
+  engines_->timer.mark(s, "f.qkv_gemm");
   const auto qkv = [&](int j) { return offset<float>(P.qkv32, j * inner, 4); };
   DeviceBuffer* qkv_c[3] = {&P.q_c, &P.k_c, &P.v_c};
 
@@ -305,11 +314,14 @@ void LineageCudaModel::mixer_forward(Layer& L, int64_t l, int64_t B, int64_t T) 
         k::rotary_embedding(qkv(j), kF32, positions, R, H, dh, 3 * inner, +1, s);
     for (int j = 0; j < 3; ++j)
       k::copy_rows(qkv(j), R, inner, 3 * inner, {qkv_c[j]->data(), kBf16}, s);
+    engines_->timer.mark(s, "f.rope_cast");
     for_each_attention(B, T, cu_seqlens_, [&](int64_t r0, int64_t len, int64_t batch) {
       const k::AttentionArgs args = attention_args(P, H, dh, r0, len, batch);
       k::attention_forward(args, a.workspace.data(), a.workspace.bytes(), s);
     });
+    engines_->timer.mark(s, "f.attention");
     k::convert(P.o32.data(), kF32, P.o_c.data(), kBf16, R * inner, s);
+    engines_->timer.mark(s, "f.rope_cast");
     return;
   }
 
@@ -337,7 +349,9 @@ void LineageCudaModel::mixer_forward(Layer& L, int64_t l, int64_t B, int64_t T) 
                              kBf16, s);
     }
   }
+  engines_->timer.mark(s, "f.mixer_prep");
   k::chunk_forward(in, P.o_c.data(), nullptr, a.workspace.data(), a.workspace.bytes(), s);
+  engines_->timer.mark(s, "f.chunk");
 }
 
 void LineageCudaModel::mixer_backward(Layer& L, int64_t l, int64_t B, int64_t T) {
@@ -370,6 +384,7 @@ void LineageCudaModel::mixer_backward(Layer& L, int64_t l, int64_t B, int64_t T)
     return;
   }
   if (L.kind == MixerKind::softmax) {
+    engines_->timer.mark(s, "b.other");
     for_each_attention(B, T, cu_seqlens_, [&](int64_t r0, int64_t len, int64_t batch) {
       const k::AttentionArgs args = attention_args(P, H, dh, r0, len, batch);
       k::attention_backward(args, args.lse, offset(a.do_c, r0 * inner, 2),
@@ -377,6 +392,7 @@ void LineageCudaModel::mixer_backward(Layer& L, int64_t l, int64_t B, int64_t T)
                             offset(a.dv_c, r0 * inner, 2), a.workspace.data(), a.workspace.bytes(),
                             s);
     });
+    engines_->timer.mark(s, "b.attention");
     if (L.rope) {  // the gradient rotates back
       k::rotary_embedding(a.dq_c.data(), kBf16, positions, R, H, dh, 0, -1, s);
       k::rotary_embedding(a.dk_c.data(), kBf16, positions, R, H, dh, 0, -1, s);
@@ -385,6 +401,7 @@ void LineageCudaModel::mixer_backward(Layer& L, int64_t l, int64_t B, int64_t T)
     for (int j = 0; j < 3; ++j)
       linear_backward(gemm, wgrad, R, d, inner, dqkv[j]->data(), inner, P.a_c.data(), d, *Wqkv[j],
                       {dan, kF32}, j > 0);
+    engines_->timer.mark(s, "b.qkv_gemm");
     return;
   }
 
@@ -401,7 +418,9 @@ void LineageCudaModel::mixer_backward(Layer& L, int64_t l, int64_t B, int64_t T)
     grads.dA_log = a.dA.as<float>();
     grads.ddt_bias = a.ddt.as<float>();
   }
+  engines_->timer.mark(s, "b.other");
   k::chunk_backward(in, a.do_c.data(), nullptr, grads, a.workspace.data(), a.workspace.bytes(), s);
+  engines_->timer.mark(s, "b.chunk");
   if (kda) {  // the kernel overwrites; parameter gradients accumulate
     k::add_inplace(L.A_log->g(), a.dA.as<float>(), H, s);
     k::add_inplace(L.dt_bias->g(), a.ddt.as<float>(), inner, s);
@@ -513,6 +532,8 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
   check_cuda(cudaMemcpyAsync(a.targets.data(), targets, size_t(R) * 4, cudaMemcpyHostToDevice, s),
              "cudaMemcpyAsync (targets)");
   k::sequence_positions(cu_seqlens_, B, T, a.positions.as<int32_t>(), s);
+  model::cuda::StageTimer& timer = engines_->timer;
+  timer.start(s);
 
   // ---- forward ----
   Entry& embed = params_->at("embed");
@@ -520,6 +541,7 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
   Entry& lm_head = params_->at("lm_head");
   k::embedding(a.ids.as<int32_t>(), R, embed.value.data(), nullptr, 0, kF32, d, a.h[0].as<float>(),
                s);
+  timer.mark(s, "f.embedding");
   for (int64_t l = 0; l < L; ++l) {
     Layer& W = layers_[size_t(l)];
     PerLayer& P = a.layers[size_t(l)];
@@ -528,38 +550,51 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
     float* x_out = a.h[size_t(2 * l + 2)].as<float>();
     k::rms_norm_forward_train(x_in, R, d, W.norm1->f(), eps, {P.a_c.data(), kBf16},
                               P.inv1.as<float>(), s);
+    timer.mark(s, "f.norm_residual");
     mixer_forward(W, l, B, T);
+    timer.mark(s, "f.other");
     copy_device(x_mid, x_in, size_t(R * d) * 4, s);
+    timer.mark(s, "f.norm_residual");
     gemm.linear(kBf16, R, d, inner, {P.o_c.data(), inner}, {W.Wo->compute(), inner}, {x_mid, kF32},
                 1.f, 1.f);
+    timer.mark(s, "f.o_gemm");
     k::rms_norm_forward_train(x_mid, R, d, W.norm2->f(), eps, {P.m_c.data(), kBf16},
                               P.inv2.as<float>(), s);
+    timer.mark(s, "f.norm_residual");
     gemm.linear(kBf16, R, F, d, {P.m_c.data(), d}, {W.W1->compute(), d},
                 {P.up32.data(), kF32, 2 * F});
     gemm.linear(kBf16, R, F, d, {P.m_c.data(), d}, {W.W3->compute(), d},
                 {offset(P.up32, F, 4), kF32, 2 * F});
+    timer.mark(s, "f.mlp_gemm");
     k::swiglu(P.up32.as<float>(), R, F, {P.act_c.data(), kBf16}, s);
     copy_device(x_out, x_mid, size_t(R * d) * 4, s);
+    timer.mark(s, "f.mlp_act");
     gemm.linear(kBf16, R, d, F, {P.act_c.data(), F}, {W.W2->compute(), F}, {x_out, kF32}, 1.f, 1.f);
+    timer.mark(s, "f.mlp_gemm");
   }
   const float* x_final = a.h[size_t(2 * L)].as<float>();
   k::rms_norm_forward_train(x_final, R, d, final_norm.f(), eps, {a.hf_c.data(), kBf16},
                             a.invf.as<float>(), s);
+  timer.mark(s, "f.norm_residual");
   float* logits = a.logits.as<float>();
   gemm.linear(kBf16, R, V, d, {a.hf_c.data(), d}, {lm_head.compute(), d}, {logits, kF32});
+  timer.mark(s, "f.head_gemm");
   float* loss_sum = a.result.as<float>();
   int32_t* correct = offset<int32_t>(a.result, 1, 4);
   int32_t* scored = offset<int32_t>(a.result, 2, 4);
   k::cross_entropy_forward_backward(logits, kF32, a.targets.as<int32_t>(), R, V, logits, loss_sum,
                                     correct, scored, scratch, s);
+  timer.mark(s, "ce");
   if (backward) {
     float* dh = a.dh.as<float>();
     float* dtmp = a.dtmp.as<float>();
     float* dan = a.dan.as<float>();
     // head: dhf = dlogits . lm_head, dlm_head += dlogits^T hf; then the final norm
     k::convert(logits, kF32, a.dy_c.data(), kBf16, R * V, s);
+    timer.mark(s, "ce");
     linear_backward(gemm, wgrad, R, d, V, a.dy_c.data(), V, a.hf_c.data(), d, lm_head, {dtmp, kF32},
                     false);
+    timer.mark(s, "b.head_gemm");
     k::rms_norm_backward(x_final, dtmp, R, d, final_norm.f(), a.invf.as<float>(), dh,
                          final_norm.g(), scratch, s);
     for (int64_t l = L - 1; l >= 0; --l) {
@@ -568,28 +603,39 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
       const float* x_in = a.h[size_t(2 * l)].as<float>();
       const float* x_mid = a.h[size_t(2 * l + 1)].as<float>();
       // MLP (dh: the gradient of x_out)
+      timer.mark(s, "b.norm_residual");
       k::convert(dh, kF32, a.dy_c.data(), kBf16, R * d, s);
+      timer.mark(s, "b.casts");
       linear_backward(gemm, wgrad, R, F, d, a.dy_c.data(), d, P.act_c.data(), F, *W.W2,
                       {a.d32a.data(), kF32}, false);
+      timer.mark(s, "b.mlp_gemm");
       k::swiglu_backward(P.up32.as<float>(), a.d32a.as<float>(), R, F, a.dbig32.as<float>(), s);
       k::convert(a.dbig32.data(), kF32, a.dy_c.data(), kBf16, R * 2 * F, s);
+      timer.mark(s, "b.mlp_act");
       linear_backward(gemm, wgrad, R, d, F, a.dy_c.data(), 2 * F, P.m_c.data(), d, *W.W1,
                       {dtmp, kF32}, false);
       linear_backward(gemm, wgrad, R, d, F, offset(a.dy_c, F, 2), 2 * F, P.m_c.data(), d, *W.W3,
                       {dtmp, kF32}, true);
+      timer.mark(s, "b.mlp_gemm");
       k::rms_norm_backward(x_mid, dtmp, R, d, W.norm2->f(), P.inv2.as<float>(), dtmp, W.norm2->g(),
                            scratch, s);
       k::add_inplace(dh, dtmp, R * d, s);
       // mixer (dh: the gradient of x_mid); d_o in bf16 for the mixers' backward
+      timer.mark(s, "b.norm_residual");
       k::convert(dh, kF32, a.dy_c.data(), kBf16, R * d, s);
+      timer.mark(s, "b.casts");
       linear_backward(gemm, wgrad, R, inner, d, a.dy_c.data(), d, P.o_c.data(), inner, *W.Wo,
                       {a.do_c.data(), kBf16}, false);
+      timer.mark(s, "b.o_gemm");
       mixer_backward(W, l, B, T);
+      timer.mark(s, "b.other");
       k::rms_norm_backward(x_in, dan, R, d, W.norm1->f(), P.inv1.as<float>(), dan, W.norm1->g(),
                            scratch, s);
       k::add_inplace(dh, dan, R * d, s);
     }
+    timer.mark(s, "b.norm_residual");
     k::embedding_backward(a.ids.as<int32_t>(), dh, R, d, V, embed.g(), scratch, s);
+    timer.mark(s, "b.embedding");
   }
   // read back after the backward is queued (a pageable copy would block the host until then)
   struct {

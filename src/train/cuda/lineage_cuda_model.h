@@ -48,6 +48,10 @@ class LineageCudaModel final : public TrainableModel {
   // The device gradient of a parameter (host copy, for checks).
   std::vector<float> gradient(const std::string& name);
   const LineageConfig& config() const { return host_->config(); }
+  // With KDA_CUDA_PROFILE set when the model was made: the time per stage of every step so far
+  // (each stage boundary synchronises the stream), to stderr.
+  void report_profile(const std::string& title) const;
+  void reset_profile();
 
   // The model's parts (defined in train/cuda/lineage_cuda_internal.h).
   struct Layer;
