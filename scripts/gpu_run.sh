@@ -18,6 +18,7 @@
 #           CPU one and its throughput; then, when KDA_RECALL is set,
 #           `kda bench recall --device cuda $KDA_RECALL`.
 #           KDA_SKIP_KERNELS / KDA_SKIP_TRAIN_CHECK skip the kernel suites / the trainer checks;
+#           KDA_SUITES="train ..." runs those kernel suites only;
 #           KDA_TRAIN_BENCH=--check skips the trainer's throughput; KDA_PROFILE=1 times a 125M
 #           step by stage (kda_gpu_train --profile); KDA_NSYS profiles one step with nsys.
 #
@@ -52,8 +53,9 @@ if [ "$mode" = "--train" ]; then
   touch "$log_dir/train_kernels.log" "$log_dir/lineage_train.log"
   if [ -z "${KDA_SKIP_KERNELS:-}" ]; then
     echo "== kda_gpu_model: the training kernels"
+    # shellcheck disable=SC2086
     timeout 240 ./build-gpu-app/bin/kda_gpu_model --check --bench --shared gpu_carry/shared \
-      attention attention_bwd lineage_ops linear_attn train gpt2_train 2>&1 |
+      ${KDA_SUITES:-attention attention_bwd lineage_ops linear_attn train gpt2_train} 2>&1 |
       tee "$log_dir/train_kernels.log" | grep -v "^CHECK.*PASS"
     [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
     echo "kernels: $(grep -c "^CHECK.*PASS" "$log_dir/train_kernels.log") checks pass"

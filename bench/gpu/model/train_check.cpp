@@ -82,7 +82,9 @@ void check_rms_forward(int64_t rows, int64_t D, ElementType out, Tally& tally) {
          kTol);
 }
 
-void check_rms_backward(int64_t rows, int64_t D, bool dx_aliases_dy, Tally& tally) {
+// accumulate: dx starts as random values and the gradient is added to them (the residual).
+void check_rms_backward(int64_t rows, int64_t D, bool dx_aliases_dy, Tally& tally,
+                        bool accumulate = false) {
   const std::vector<float> x = random_values(size_t(rows * D), fresh_seed(), 2.f);
   const std::vector<float> dy = random_values(size_t(rows * D), fresh_seed());
   std::vector<float> w = random_values(size_t(D), fresh_seed());
@@ -90,13 +92,15 @@ void check_rms_backward(int64_t rows, int64_t D, bool dx_aliases_dy, Tally& tall
   const std::vector<float> dw0 = random_values(size_t(D), fresh_seed());
   const std::vector<float> inv = cpu_inv_rms(x, rows, D, 1e-6f);
 
+  const std::vector<float> dx0 = random_values(size_t(rows * D), fresh_seed());
   std::vector<double> dx_ref(size_t(rows * D)), dw_ref(dw0.begin(), dw0.end());
   for (int64_t r = 0; r < rows; ++r) {
     double dot = 0;
     for (int64_t i = 0; i < D; ++i) dot += double(dy[r * D + i]) * w[i] * x[r * D + i];
     const double c = dot / double(D) * double(inv[r]) * inv[r] * inv[r];
     for (int64_t i = 0; i < D; ++i) {
-      dx_ref[r * D + i] = double(dy[r * D + i]) * w[i] * inv[r] - x[r * D + i] * c;
+      dx_ref[r * D + i] = double(dy[r * D + i]) * w[i] * inv[r] - x[r * D + i] * c +
+                          (accumulate ? dx0[r * D + i] : 0.0);
       dw_ref[i] += double(dy[r * D + i]) * x[r * D + i] * inv[r];
     }
   }
@@ -106,15 +110,17 @@ void check_rms_backward(int64_t rows, int64_t D, bool dx_aliases_dy, Tally& tall
   std::vector<float> dx_runs[2], dw_runs[2];
   for (int run = 0; run < 2; ++run) {
     DeviceBuffer d_dy = upload(dy), d_dw = upload(dw0);
-    DeviceBuffer d_dx = poisoned(size_t(rows * D));
+    DeviceBuffer d_dx = accumulate ? upload(dx0) : poisoned(size_t(rows * D));
     float* dx_ptr = dx_aliases_dy ? d_dy.as<float>() : d_dx.as<float>();
     cu::rms_norm_backward(d_x.as<float>(), d_dy.as<float>(), rows, D, d_w.as<float>(),
-                          d_inv.as<float>(), dx_ptr, d_dw.as<float>(), scratch, nullptr);
+                          d_inv.as<float>(), dx_ptr, d_dw.as<float>(), scratch, nullptr,
+                          accumulate);
     sync();
     dx_runs[run] = download(dx_ptr, size_t(rows * D));
     dw_runs[run] = download(d_dw.data(), size_t(D));
   }
-  const std::string tag = "rms_norm_backward" + dims(rows, D) + (dx_aliases_dy ? " dx=dy" : "");
+  const std::string tag = "rms_norm_backward" + dims(rows, D) + (dx_aliases_dy ? " dx=dy" : "") +
+                          (accumulate ? " dx accumulated" : "");
   report(tally, tag + " dx", rel_error(widen(dx_runs[0]), dx_ref), kTol);
   report(tally, tag + " dw (accumulated)", rel_error(widen(dw_runs[0]), dw_ref), kTol);
   report_same(tally, tag + " deterministic",
@@ -225,6 +231,16 @@ void check_swiglu_backward(int64_t rows, int64_t I, bool in_place, Tally& tally)
          "swiglu_backward rows=" + std::to_string(rows) + " I=" + std::to_string(I) +
              (in_place ? " in place" : ""),
          rel_error(widen(download(out, ref.size())), ref), kTol);
+  if (in_place) return;
+  // bf16 gradients (what the lineage trainer's GEMMs read next)
+  DeviceBuffer d_bf(size_t(rows * 2 * I) * 2);
+  poison(d_bf.data(), d_bf.bytes());
+  cu::swiglu_backward(d_gu.as<float>(), d_dh.as<float>(), rows, I, d_bf.data(), ElementType::bf16,
+                      nullptr);
+  sync();
+  report(tally,
+         "swiglu_backward rows=" + std::to_string(rows) + " I=" + std::to_string(I) + " bf16",
+         rel_error(from_device(d_bf.data(), ref.size(), ElementType::bf16), ref), 8e-3);
 }
 
 // ---- embedding backward ----
@@ -271,8 +287,9 @@ void check_embedding_backward(int64_t rows, int64_t D, int64_t vocab, int64_t di
 
 // ---- cross-entropy ----
 
+// dlogits: in place (in the logits' type), else into a fresh array of type `out`.
 void check_cross_entropy(int64_t rows, int64_t V, ElementType type, bool in_place,
-                         int unscored_every, Tally& tally) {
+                         int unscored_every, Tally& tally, ElementType out = ElementType::f32) {
   std::vector<float> logits = random_values(size_t(rows * V), fresh_seed(), 6.f);
   Random rng(fresh_seed());
   std::vector<int32_t> targets(static_cast<size_t>(rows));
@@ -306,37 +323,40 @@ void check_cross_entropy(int64_t rows, int64_t V, ElementType type, bool in_plac
   const DeviceBuffer d_targets = upload_ints(targets);
   cu::TrainScratch scratch;
   DeviceBuffer scalars(3 * sizeof(float));  // loss_sum, correct, scored
-  std::vector<float> d_runs[2], loss_runs[2];
+  const ElementType out_type = in_place ? type : out;
+  std::vector<double> d_runs[2];
+  std::vector<float> loss_runs[2];
   int32_t correct = -1, scored = -1;
   for (int run = 0; run < 2; ++run) {
     DeviceArray input = to_device(logits, type);
     DeviceBuffer d_out = poisoned(size_t(rows * V));
     poison(scalars.data(), scalars.bytes());
-    float* dlogits = in_place ? static_cast<float*>(input.data()) : d_out.as<float>();
+    void* dlogits = in_place ? input.data() : d_out.data();
     float* loss = scalars.as<float>();
     int32_t* correct_ptr = reinterpret_cast<int32_t*>(loss + 1);
     cu::cross_entropy_forward_backward(input.data(), type, d_targets.as<int32_t>(), rows, V,
-                                       dlogits, loss, correct_ptr, correct_ptr + 1, scratch,
-                                       nullptr);
+                                       dlogits, out_type, loss, correct_ptr, correct_ptr + 1,
+                                       scratch, nullptr);
     sync();
-    d_runs[run] = download(dlogits, size_t(rows * V));
+    d_runs[run] = from_device(dlogits, size_t(rows * V), out_type);
     loss_runs[run] = download(loss, 1);
     int32_t ints[2];
     scalars.download(ints, sizeof(ints), sizeof(float));
     correct = ints[0];
     scored = ints[1];
   }
-  const double tol = type == ElementType::bf16 ? 1e-2 : kTol;
+  const double tol = type == ElementType::bf16 || out_type == ElementType::bf16 ? 1e-2 : kTol;
   const std::string tag = std::string("cross_entropy rows=") + std::to_string(rows) +
                           " V=" + std::to_string(V) +
                           (type == ElementType::bf16 ? " bf16" : " f32") +
+                          (out_type == ElementType::bf16 ? " -> bf16" : " -> f32") +
                           (in_place ? " in place" : "") + " scored=" + std::to_string(count);
-  report(tally, tag + " dlogits", rel_error(widen(d_runs[0]), d_ref), tol);
+  report(tally, tag + " dlogits", rel_error(d_runs[0], d_ref), tol);
   report(tally, tag + " loss_sum", rel_error({double(loss_runs[0][0])}, {loss_ref}), tol);
   report(tally, tag + " correct", std::abs(double(correct - hits_ref)), 0.0);
   report(tally, tag + " scored", std::abs(double(scored - count)), 0.0);
   report_same(tally, tag + " deterministic",
-              same_bits(d_runs[0], d_runs[1]) && same_bits(loss_runs[0], loss_runs[1]));
+              d_runs[0] == d_runs[1] && same_bits(loss_runs[0], loss_runs[1]));
 }
 
 // No scored row at all: zero gradients, zero loss.
@@ -348,10 +368,10 @@ void check_cross_entropy_unscored(Tally& tally) {
   DeviceBuffer d_out = poisoned(size_t(rows * V)), scalars(2 * sizeof(float));
   poison(scalars.data(), scalars.bytes());
   cu::TrainScratch scratch;
-  cu::cross_entropy_forward_backward(d_logits.data(), ElementType::f32, d_targets.as<int32_t>(),
-                                     rows, V, d_out.as<float>(), scalars.as<float>(),
-                                     reinterpret_cast<int32_t*>(scalars.as<float>() + 1), nullptr,
-                                     scratch, nullptr);
+  cu::cross_entropy_forward_backward(
+      d_logits.data(), ElementType::f32, d_targets.as<int32_t>(), rows, V, d_out.as<float>(),
+      ElementType::f32, scalars.as<float>(), reinterpret_cast<int32_t*>(scalars.as<float>() + 1),
+      nullptr, scratch, nullptr);
   sync();
   std::vector<double> got = widen(download(d_out.data(), size_t(rows * V)));
   const std::vector<float> loss = download(scalars.data(), 1);
@@ -431,6 +451,79 @@ void check_adamw(int64_t n, float weight_decay, float grad_scale, ElementType co
   }
 }
 
+// The multi-tensor AdamW (three launches for a model) against the one-tensor adamw_step given
+// the clipping factor the host computes from the same gradients: the same bits. Tensors of 1,
+// 3, 70000 (two chunks) and 10003 elements, with and without decay and bf16 copies; clipping
+// engaged (clip_norm below the norm) and not; then a NaN gradient: nothing moves.
+void check_adamw_multi_tensor(float clip_norm, Tally& tally) {
+  const std::vector<int64_t> sizes = {1, 3, 70000, 10003};
+  cu::AdamWHyper h;
+  h.lr = 3e-3f;
+  h.weight_decay = 0.1f;
+  struct Tensor {
+    std::vector<float> w, g;
+    DeviceBuffer d_w, d_g, d_m, d_v, d_copy, r_w, r_m, r_v, r_copy;  // r_: one-tensor run
+  };
+  std::vector<Tensor> t(sizes.size());
+  std::vector<cu::AdamWTensor> table;
+  double norm2 = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const int64_t n = sizes[i];
+    t[i].w = random_values(size_t(n), fresh_seed());
+    t[i].g = random_values(size_t(n), fresh_seed(), 0.5f);
+    for (float x : t[i].g) norm2 += double(x) * x;
+    t[i].d_w = upload(t[i].w), t[i].r_w = upload(t[i].w);
+    t[i].d_g = upload(t[i].g);
+    const std::vector<float> m = random_values(size_t(n), fresh_seed(), 0.1f);
+    std::vector<float> v = random_values(size_t(n), fresh_seed(), 0.1f);
+    for (float& x : v) x = x * x;
+    t[i].d_m = upload(m), t[i].r_m = upload(m), t[i].d_v = upload(v), t[i].r_v = upload(v);
+    const bool copy = i % 2 == 0;
+    if (copy) {
+      t[i].d_copy = DeviceBuffer(size_t(n) * 2), t[i].r_copy = DeviceBuffer(size_t(n) * 2);
+      poison(t[i].d_copy.data(), t[i].d_copy.bytes());
+    }
+    table.push_back({t[i].d_w.as<float>(), t[i].d_g.as<float>(), t[i].d_m.as<float>(),
+                     t[i].d_v.as<float>(), copy ? t[i].d_copy.data() : nullptr, n, i != 1});
+  }
+  cu::AdamWMultiTensor multi(table);
+  multi.step(h, 4, clip_norm, nullptr);
+  sync();
+  double norm = 0;
+  ops::cuda::check_cuda(cudaMemcpy(&norm, multi.norm_device(), 8, cudaMemcpyDeviceToHost), "norm");
+  const double ref_norm = std::sqrt(norm2);
+  const float clip =
+      clip_norm > 0 && ref_norm > clip_norm ? float(double(clip_norm) / ref_norm) : 1.0f;
+  const std::string tag = "adamw multi-tensor clip_norm=" + std::to_string(clip_norm);
+  report(tally, tag + " norm", std::abs(norm - ref_norm) / ref_norm, 1e-12);
+  bool same = true;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    cu::AdamWHyper hi = h;
+    hi.weight_decay = i != 1 ? h.weight_decay : 0.0f;
+    const size_t n = size_t(sizes[i]);
+    cu::adamw_step(t[i].r_w.as<float>(), t[i].d_g.as<float>(), t[i].r_m.as<float>(),
+                   t[i].r_v.as<float>(), int64_t(n), hi, 4, clip,
+                   t[i].r_copy.data() ? t[i].r_copy.data() : nullptr, ElementType::bf16, nullptr);
+    sync();
+    same = same && download(t[i].d_w.data(), n) == download(t[i].r_w.data(), n) &&
+           download(t[i].d_m.data(), n) == download(t[i].r_m.data(), n) &&
+           download(t[i].d_v.data(), n) == download(t[i].r_v.data(), n);
+    if (t[i].d_copy.data())
+      same = same && from_device(t[i].d_copy.data(), n, ElementType::bf16) ==
+                         from_device(t[i].r_copy.data(), n, ElementType::bf16);
+  }
+  report_same(tally, tag + " equals adamw_step per tensor", same);
+  // a NaN gradient: the norm is NaN and no weight moves
+  const std::vector<float> before = download(t[2].d_w.data(), size_t(sizes[2]));
+  const float nan = NAN;
+  ops::cuda::check_cuda(cudaMemcpy(t[0].d_g.data(), &nan, 4, cudaMemcpyHostToDevice), "nan");
+  multi.step(h, 5, clip_norm, nullptr);
+  sync();
+  ops::cuda::check_cuda(cudaMemcpy(&norm, multi.norm_device(), 8, cudaMemcpyDeviceToHost), "norm");
+  report_same(tally, tag + " NaN gradient: NaN norm, nothing updated",
+              std::isnan(norm) && download(t[2].d_w.data(), size_t(sizes[2])) == before);
+}
+
 // ---- global norm pieces ----
 
 void check_sum_of_squares(int64_t n, Tally& tally) {
@@ -474,13 +567,13 @@ void check_argument_errors(Tally& tally) {
     cu::rms_norm_backward(bogus, bogus, 4, 0, bogus, bogus, bogus, bogus, scratch, nullptr);
   });
   report_throws(tally, "cross_entropy V=0", [&] {
-    cu::cross_entropy_forward_backward(bogus, ElementType::f32, nullptr, 4, 0, bogus, bogus,
-                                       nullptr, nullptr, scratch, nullptr);
+    cu::cross_entropy_forward_backward(bogus, ElementType::f32, nullptr, 4, 0, bogus,
+                                       ElementType::f32, bogus, nullptr, nullptr, scratch, nullptr);
   });
-  report_throws(tally, "cross_entropy bf16 logits aliasing dlogits", [&] {
+  report_throws(tally, "cross_entropy bf16 logits aliasing fp32 dlogits", [&] {
     cu::cross_entropy_forward_backward(bogus, ElementType::bf16,
-                                       reinterpret_cast<const int32_t*>(bogus), 4, 10, bogus, bogus,
-                                       nullptr, nullptr, scratch, nullptr);
+                                       reinterpret_cast<const int32_t*>(bogus), 4, 10, bogus,
+                                       ElementType::f32, bogus, nullptr, nullptr, scratch, nullptr);
   });
   report_throws(tally, "layer_norm_backward accumulate into dy", [&] {
     cu::layer_norm_backward(bogus, bogus, 4, 8, bogus, 1e-5f, bogus, bogus, bogus, true, scratch,
@@ -506,6 +599,8 @@ void run_train(const SuiteOptions& options, Tally& tally) {
   check_rms_backward(300, 2304, false, tally);
   check_rms_backward(4000, 96, false, tally);  // many row chunks
   check_rms_backward(33, 128, true, tally);
+  check_rms_backward(300, 768, false, tally, true);
+  check_rms_backward(17, 100, false, tally, true);
 
   check_layer_norm_backward(1, 24, false, false, tally);
   check_layer_norm_backward(33, 768, true, false, tally);
@@ -535,12 +630,23 @@ void run_train(const SuiteOptions& options, Tally& tally) {
   check_cross_entropy(1, 1000, f32, false, 0, tally);
   check_cross_entropy(3, 262144, f32, false, 0, tally);
   check_cross_entropy(200, 1000, bf16, false, 5, tally);
+  // bf16 gradients in place of bf16 logits (the lineage trainer's head): 4-wide (V % 4 == 0)
+  // and scalar rows
+  check_cross_entropy(9, 50304, bf16, true, 3, tally);
+  check_cross_entropy(9, 50257, bf16, true, 3, tally);
+  check_cross_entropy(200, 1000, bf16, true, 5, tally);
+  // fp32 logits, bf16 gradients beside them (the lineage trainer's head)
+  check_cross_entropy(9, 50304, f32, false, 3, tally, bf16);
+  check_cross_entropy(9, 50257, f32, false, 3, tally, bf16);
   check_cross_entropy_unscored(tally);
 
   check_adamw(10003, 0.1f, 0.37f, bf16, true, tally);
   check_adamw(10003, 0.0f, 0.37f, bf16, true, tally);
   check_adamw(4096, 0.1f, 1.0f, f32, true, tally);
   check_adamw(1001, 0.0f, 2.5f, bf16, false, tally);
+  check_adamw_multi_tensor(0.5f, tally);  // clipped (the norm is ~ 0.5 * sqrt(80000 / 3))
+  check_adamw_multi_tensor(1e6f, tally);  // not clipped
+  check_adamw_multi_tensor(0.0f, tally);  // clipping off
 
   check_sum_of_squares(1, tally);
   check_sum_of_squares(1000, tally);

@@ -425,8 +425,8 @@ Gpt2StepResult Gpt2CudaTrainer::run(const int32_t* ids, const int32_t* targets, 
   int32_t* correct = at<int32_t>(a.loss, 1, 4);
   int32_t* scored = at<int32_t>(a.loss, 2, 4);
   // dlogits (mean over scored rows) overwrite the logits
-  k::cross_entropy_forward_backward(logits, kF32, a.targets.as<int32_t>(), R, V, logits, loss_sum,
-                                    correct, scored, scratch, s);
+  k::cross_entropy_forward_backward(logits, kF32, a.targets.as<int32_t>(), R, V, logits, kF32,
+                                    loss_sum, correct, scored, scratch, s);
   if (backward) backward_pass(docs, packed ? nullptr : &B, T);
   // read back after the backward is queued (a pageable copy would block the host until then)
   struct {

@@ -12,8 +12,7 @@ using k::check_cuda;
 using k::DeviceBuffer;
 using k::ElementType;
 
-DeviceParams::DeviceParams(std::vector<Param*> host, cudaStream_t stream)
-    : stream_(stream), norm2_(8) {
+DeviceParams::DeviceParams(std::vector<Param*> host, cudaStream_t stream) : stream_(stream) {
   for (Param* p : host) {
     auto e = std::make_unique<Entry>();
     e->host = p;
@@ -77,26 +76,26 @@ std::vector<float> DeviceParams::gradient(const std::string& name) {
 }
 
 double DeviceParams::adamw(const AdamWConfig& config, float lr, int64_t step) {
-  check_cuda(cudaMemsetAsync(norm2_.data(), 0, 4, stream_), "cudaMemsetAsync");
-  for (auto& e : entries_) k::sum_of_squares(e->g(), e->n, norm2_.as<float>(), scratch_, stream_);
-  float norm2 = 0;
-  check_cuda(cudaMemcpyAsync(&norm2, norm2_.data(), 4, cudaMemcpyDeviceToHost, stream_),
-             "cudaMemcpyAsync (gradient norm)");
-  check_cuda(cudaStreamSynchronize(stream_), "device adamw: gradient norm");
-  const double norm = std::sqrt(double(norm2));
-  require(std::isfinite(norm), "adamw: the gradient is not finite");
-  const float clip =
-      config.clip_norm > 0 && norm > config.clip_norm ? float(config.clip_norm / norm) : 1.0f;
-  for (auto& e : entries_) {
-    k::AdamWHyper hyper;
-    hyper.lr = lr;
-    hyper.beta1 = config.beta1;
-    hyper.beta2 = config.beta2;
-    hyper.eps = config.eps;
-    hyper.weight_decay = e->host->decay ? config.weight_decay : 0.0f;
-    k::adamw_step(e->f(), e->g(), e->m.as<float>(), e->v.as<float>(), e->n, hyper, step, clip,
-                  e->copy.data(), ElementType::bf16, stream_);
+  if (!adamw_) {  // the tensors never move: one table for the model's life
+    std::vector<k::AdamWTensor> tensors;
+    for (auto& e : entries_)
+      tensors.push_back({e->f(), e->g(), e->m.as<float>(), e->v.as<float>(), e->copy.data(), e->n,
+                         e->host->decay});
+    adamw_ = std::make_unique<k::AdamWMultiTensor>(tensors);
   }
+  k::AdamWHyper hyper;
+  hyper.lr = lr;
+  hyper.beta1 = config.beta1;
+  hyper.beta2 = config.beta2;
+  hyper.eps = config.eps;
+  hyper.weight_decay = config.weight_decay;
+  adamw_->step(hyper, step, config.clip_norm, stream_);
+  double norm = 0;  // (after the update is queued: the copy waits for it)
+  check_cuda(cudaMemcpyAsync(&norm, adamw_->norm_device(), sizeof(double), cudaMemcpyDeviceToHost,
+                             stream_),
+             "cudaMemcpyAsync (gradient norm)");
+  check_cuda(cudaStreamSynchronize(stream_), "device adamw");
+  require(std::isfinite(norm), "adamw: the gradient is not finite");  // (nothing was updated)
   return norm;
 }
 

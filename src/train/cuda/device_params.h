@@ -46,8 +46,9 @@ class DeviceParams {
   std::vector<float> gradient(const std::string& name);
 
   // One AdamW update from the device gradients (train::AdamW::step's formulas; `step` is the
-  // 1-based update number). Returns the gradient norm before clipping; throws kda::Error when it
-  // is not finite (nothing is updated then).
+  // 1-based update number), every parameter in three launches (AdamWMultiTensor). Returns the
+  // gradient norm before clipping; throws kda::Error when it is not finite (nothing is updated
+  // then).
   double adamw(const AdamWConfig& config, float lr, int64_t step);
   std::vector<std::pair<std::string, Tensor>> moments() const;
   void load_moments(const std::vector<std::pair<std::string, Tensor>>& tensors);
@@ -58,8 +59,7 @@ class DeviceParams {
   cudaStream_t stream_;
   std::vector<std::unique_ptr<Entry>> entries_;
   std::map<std::string, Entry*> by_name_;
-  ops::cuda::TrainScratch scratch_;
-  ops::cuda::DeviceBuffer norm2_;
+  std::unique_ptr<ops::cuda::AdamWMultiTensor> adamw_;  // made by the first adamw()
 };
 
 class DeviceAdamW final : public Optimizer {

@@ -115,8 +115,8 @@ struct LineageCudaModel::Activations {
                                            // mixer, h[2l + 1] its MLP, h[2L] the final norm
   std::vector<PerLayer> layers;
   ops::cuda::DeviceBuffer invf, hf_c, logits;
-  ops::cuda::DeviceBuffer dh, dtmp, dan, dy_c, d32a, d32b, dbig32, do_c, dq_c, dk_c, dv_c, dg_c,
-      db_c, dA, ddt, dlinear32, workspace;
+  ops::cuda::DeviceBuffer dh, dtmp, dan, dy_c, d32a, d32b, do_c, dq_c, dk_c, dv_c, dg_c, db_c, dA,
+      ddt, dlinear32, workspace;
   // MLA backward: dq / dk (bf16, per-head width qk), dk and dv in fp32, d(kv_b out), d(kv_a rows),
   // d(latent), and the [H qk, rope] 0/1 matrix that sums the heads' rope-key gradients
   ops::cuda::DeviceBuffer dqm_c, dkm_c, dkeys32, dvalues32, dkvb32, drows32, dlat32, rope_sum;

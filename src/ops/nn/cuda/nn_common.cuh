@@ -221,4 +221,22 @@ void map_rows(int64_t rows, int64_t cols, bool vec4, const Op& op, cudaStream_t 
   check_launch(what);
 }
 
+// One AdamW update of element j (train::AdamW::step's formulas and order, explicitly rounded
+// operations: no fused multiply-adds, IEEE division and square root); returns the new weight.
+__device__ __forceinline__ float adamw_update(float* param, const float* grad, float* m, float* v,
+                                              int64_t j, float lr, float b1, float b2, float eps,
+                                              float decay, float c1, float c2, float grad_scale) {
+  const float g = __fmul_rn(grad[j], grad_scale);
+  const float mj = __fadd_rn(__fmul_rn(b1, m[j]), __fmul_rn(__fsub_rn(1.0f, b1), g));
+  const float vj = __fadd_rn(__fmul_rn(b2, v[j]), __fmul_rn(__fmul_rn(__fsub_rn(1.0f, b2), g), g));
+  float w = param[j];
+  w = __fsub_rn(w, __fmul_rn(decay, w));
+  const float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(vj, c2)), eps);
+  w = __fsub_rn(w, __fdiv_rn(__fmul_rn(lr, __fdiv_rn(mj, c1)), denom));
+  m[j] = mj;
+  v[j] = vj;
+  param[j] = w;
+  return w;
+}
+
 }  // namespace kda::ops::cuda::nn_detail

@@ -1,8 +1,9 @@
 // Cross-entropy forward and backward on the GPU, train::cross_entropy's formulas: one block per
 // row, an fp32 online max / sum of exponentials (one exp per logit) with the first argmax, then
 // dlogits = exp(l - max) * (1 / sum) / count - onehot / count in place of the logits when they
-// alias. Three launches: the scored-row count (one block), the rows, and the loss / hit sums
-// (one block, a fixed order, fp64) so the loss is the same bits every run.
+// alias (fp32 or bf16, rows read 4 logits at a time when aligned). Three launches: the scored-row
+// count (one block), the rows, and the loss / hit sums (one block, a fixed order, fp64) so the loss
+// is the same bits every run.
 #include <cmath>
 #include <string>
 
@@ -73,28 +74,26 @@ __global__ void count_scored_kernel(const int32_t* targets, int64_t rows, int32_
   }
 }
 
-template <class InT>
+// One row per block, VW consecutive logits per thread and step (VW = 4 needs V % 4 == 0 and
+// aligned rows: 16-byte fp32 / 8-byte bf16 accesses).
+template <class InT, class OutT, int VW>
 __global__ void __launch_bounds__(kRowThreads)
-    cross_entropy_row_kernel(const InT* logits, const int32_t* targets, int64_t V, float* dlogits,
+    cross_entropy_row_kernel(const InT* logits, const int32_t* targets, int64_t V, OutT* dlogits,
                              const int32_t* count, float* row_loss, int32_t* row_hit) {
   __shared__ Running warp_state[kRowThreads / 32];
   __shared__ float target_logit;
   const int64_t row = blockIdx.x;
   const InT* l = logits + row * V;
-  float* d = dlogits + row * V;
+  OutT* d = dlogits + row * V;
   const int32_t t = targets[row];
-  if (t < 0) {
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) d[v] = 0.0f;
+  if (t < 0 || t >= V) {  // not scored: zeros; a target outside the vocabulary: NaN, loudly
+    Vec<VW> fill;
+#pragma unroll
+    for (int i = 0; i < VW; ++i) fill.v[i] = t < 0 ? 0.0f : NAN;
+    for (int64_t v = int64_t(threadIdx.x) * VW; v < V; v += int64_t(blockDim.x) * VW)
+      store_vec<VW>(d + v, fill);
     if (threadIdx.x == 0) {
-      row_loss[row] = 0.0f;
-      row_hit[row] = 0;
-    }
-    return;
-  }
-  if (t >= V) {  // a target outside the vocabulary: NaN, loudly
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) d[v] = NAN;
-    if (threadIdx.x == 0) {
-      row_loss[row] = NAN;
+      row_loss[row] = t < 0 ? 0.0f : NAN;
       row_hit[row] = 0;
     }
     return;
@@ -102,14 +101,17 @@ __global__ void __launch_bounds__(kRowThreads)
   // Read before any thread writes d (which may be l).
   if (threadIdx.x == 0) target_logit = to_float(l[t]);
   Running state{-INFINITY, 0.0f, 0};
-  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
-    const float x = to_float(l[v]);
-    if (x > state.m) {
-      state.s = state.s * expf(state.m - x) + 1.0f;
-      state.m = x;
-      state.arg = v;
-    } else {
-      state.s += expf(x - state.m);
+  for (int64_t v = int64_t(threadIdx.x) * VW; v < V; v += int64_t(blockDim.x) * VW) {
+    const Vec<VW> x = load_vec<VW>(l + v);
+#pragma unroll
+    for (int i = 0; i < VW; ++i) {
+      if (x.v[i] > state.m) {
+        state.s = state.s * expf(state.m - x.v[i]) + 1.0f;
+        state.m = x.v[i];
+        state.arg = v + i;
+      } else {
+        state.s += expf(x.v[i] - state.m);
+      }
     }
   }
   state = warp_combine(state);
@@ -129,10 +131,14 @@ __global__ void __launch_bounds__(kRowThreads)
   }
   const float scale = (1.0f / total.s) * inv_n;
   // Each thread rewrites exactly the logits it read above, so aliasing is safe.
-  for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
-    float g = expf(to_float(l[v]) - total.m) * scale;
-    if (v == t) g -= inv_n;
-    d[v] = g;
+  for (int64_t v = int64_t(threadIdx.x) * VW; v < V; v += int64_t(blockDim.x) * VW) {
+    Vec<VW> g = load_vec<VW>(l + v);
+#pragma unroll
+    for (int i = 0; i < VW; ++i) {
+      g.v[i] = expf(g.v[i] - total.m) * scale;
+      if (v + i == t) g.v[i] -= inv_n;
+    }
+    store_vec<VW>(d + v, g);
   }
 }
 
@@ -167,16 +173,16 @@ __global__ void cross_entropy_sums_kernel(const float* row_loss, const int32_t* 
 }  // namespace
 
 void cross_entropy_forward_backward(const void* logits, ElementType logits_type,
-                                    const int32_t* targets, int64_t rows, int64_t V, float* dlogits,
-                                    float* loss_sum, int32_t* correct, int32_t* scored,
-                                    TrainScratch& scratch, cudaStream_t stream) {
+                                    const int32_t* targets, int64_t rows, int64_t V, void* dlogits,
+                                    ElementType dlogits_type, float* loss_sum, int32_t* correct,
+                                    int32_t* scored, TrainScratch& scratch, cudaStream_t stream) {
   const char* what = "cuda::cross_entropy_forward_backward";
   require(rows >= 1 && V >= 1, std::string(what) + ": sizes must be positive");
   require(rows < (int64_t(1) << 31) && V < (int64_t(1) << 31),
           std::string(what) + ": too many rows or classes");
   require(logits && targets && dlogits && loss_sum, std::string(what) + ": null pointer");
-  require(logits_type == ElementType::f32 || logits != dlogits,
-          std::string(what) + ": bf16 logits cannot share memory with the fp32 dlogits");
+  require(logits_type == dlogits_type || logits != dlogits,
+          std::string(what) + ": logits and dlogits share memory but not their element type");
   // Scratch: count, then row losses [rows], then row hits [rows].
   scratch.rows.reserve(size_t(2 * rows + 1) * sizeof(float));
   int32_t* count = scratch.rows.as<int32_t>();
@@ -184,10 +190,21 @@ void cross_entropy_forward_backward(const void* logits, ElementType logits_type,
   int32_t* row_hit = count + 1 + rows;
   count_scored_kernel<<<1, 1024, 0, stream>>>(targets, rows, count);
   check_launch(what);
-  dispatch_type(logits_type, [&](auto* tag) {
-    using InT = std::remove_pointer_t<decltype(tag)>;
-    cross_entropy_row_kernel<InT><<<unsigned(rows), kRowThreads, 0, stream>>>(
-        static_cast<const InT*>(logits), targets, V, dlogits, count, row_loss, row_hit);
+  const bool vector = V % 4 == 0 && aligned_for(logits, 4, element_bytes(logits_type)) &&
+                      aligned_for(dlogits, 4, element_bytes(dlogits_type));
+  dispatch_type(logits_type, [&](auto* in_tag) {
+    dispatch_type(dlogits_type, [&](auto* out_tag) {
+      using InT = std::remove_pointer_t<decltype(in_tag)>;
+      using OutT = std::remove_pointer_t<decltype(out_tag)>;
+      const auto* in = static_cast<const InT*>(logits);
+      auto* out = static_cast<OutT*>(dlogits);
+      if (vector)
+        cross_entropy_row_kernel<InT, OutT, 4><<<unsigned(rows), kRowThreads, 0, stream>>>(
+            in, targets, V, out, count, row_loss, row_hit);
+      else
+        cross_entropy_row_kernel<InT, OutT, 1><<<unsigned(rows), kRowThreads, 0, stream>>>(
+            in, targets, V, out, count, row_loss, row_hit);
+    });
   });
   check_launch(what);
   cross_entropy_sums_kernel<<<1, kSumThreads, 0, stream>>>(row_loss, row_hit, rows, count, loss_sum,

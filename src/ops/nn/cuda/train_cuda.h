@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "ops/common/device_buffer.h"
 #include "ops/common/device_types.h"
@@ -31,11 +32,12 @@ struct TrainScratch {
 void rms_norm_forward_train(const float* x, int64_t rows, int64_t D, const float* w, float eps,
                             OutRows y, float* inv_rms, cudaStream_t stream);
 
-// dx (overwritten, [rows, D]) and dw (ACCUMULATED, [D]) of rms_norm_forward_train, given dy and
-// the kept inv_rms. dx may alias dy.
+// dx ([rows, D]: overwritten, or added to with accumulate_dx, the residual stream's add) and dw
+// (ACCUMULATED, [D]) of rms_norm_forward_train, given dy and the kept inv_rms. dx may alias dy
+// only when overwritten.
 void rms_norm_backward(const float* x, const float* dy, int64_t rows, int64_t D, const float* w,
                        const float* inv_rms, float* dx, float* dw, TrainScratch& scratch,
-                       cudaStream_t stream);
+                       cudaStream_t stream, bool accumulate_dx = false);
 
 // GPT-2's LayerNorm backward (mean and rstd recomputed from x with eps, as the forward):
 // dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dy w, written (accumulate_dx false) or
@@ -52,6 +54,10 @@ void gelu_tanh_backward(const float* x, const float* dy, int64_t n, float* dx, c
 // d_gate_up rows [da | db] (overwritten; may alias gate_up).
 void swiglu_backward(const float* gate_up, const float* dh, int64_t rows, int64_t I,
                      float* d_gate_up, cudaStream_t stream);
+// The same with d_gate_up of d_type (f32, or bf16 for the GEMMs that read it next; bf16 must
+// not alias gate_up).
+void swiglu_backward(const float* gate_up, const float* dh, int64_t rows, int64_t I,
+                     void* d_gate_up, ElementType d_type, cudaStream_t stream);
 
 // dtable[ids[r], :] += dy[r, :] (dtable [vocab, D]; ids int32 on the device). Rows are sorted
 // by id (a stable radix sort), then each used table row adds its rows in row order, so the
@@ -62,17 +68,18 @@ void embedding_backward(const int32_t* ids, const float* dy, int64_t rows, int64
 
 // Cross-entropy over rows of logits [rows, V] (logits_type f32 or bf16) with targets (int32;
 // -1: not scored). count = the number of scored rows (on the device). Writes
-//   dlogits [rows, V] fp32 = (softmax - onehot(target)) / count on scored rows, 0 on the others
-//     (dlogits may alias logits when they are fp32),
+//   dlogits [rows, V] (dlogits_type f32 or bf16) = (softmax - onehot(target)) / count on scored
+//     rows, 0 on the others (dlogits may alias logits when both have the same type: bf16 logits
+//     turned into bf16 gradients in place halve the head's traffic),
 //   *loss_sum = sum over scored rows of -log p(target) (written, not accumulated),
 //   *correct = the number of scored rows whose argmax (first maximum) is the target,
 //   *scored = count when scored is not null.
 // A target >= V makes its row's loss and gradient NaN (a loud failure; nothing is checked on
 // the host).
 void cross_entropy_forward_backward(const void* logits, ElementType logits_type,
-                                    const int32_t* targets, int64_t rows, int64_t V, float* dlogits,
-                                    float* loss_sum, int32_t* correct, int32_t* scored,
-                                    TrainScratch& scratch, cudaStream_t stream);
+                                    const int32_t* targets, int64_t rows, int64_t V, void* dlogits,
+                                    ElementType dlogits_type, float* loss_sum, int32_t* correct,
+                                    int32_t* scored, TrainScratch& scratch, cudaStream_t stream);
 
 // AdamW's hyper-parameters for one call; weight_decay is what applies to this parameter (0 for
 // parameters without decay: norms, biases, gates).
@@ -91,6 +98,35 @@ struct AdamWHyper {
 void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n,
                 const AdamWHyper& hyper, int64_t step, float grad_scale, void* param_copy,
                 ElementType copy_type, cudaStream_t stream);
+
+// One tensor of a multi-tensor AdamW step: fp32 weights, gradient and moments (device), an
+// optional bf16 compute copy refreshed by the update, and whether weight decay applies.
+struct AdamWTensor {
+  float* param = nullptr;
+  const float* grad = nullptr;
+  float* m = nullptr;
+  float* v = nullptr;
+  void* bf16_copy = nullptr;
+  int64_t n = 0;
+  bool decay = false;
+};
+
+// AdamW over a fixed set of tensors (a model's parameters) in three launches: the global
+// gradient norm (fp64, a fixed order: the same bits every run), the clipping factor
+// clip_norm / norm when clip_norm > 0 and the norm exceeds it (else 1), then adamw_step's update
+// of every tensor (hyper.weight_decay where the tensor decays, 0 elsewhere). Nothing waits on the
+// host; when the norm is not finite nothing is updated. The norm (a double) is at norm_device()
+// once the stream gets there. The tensors' pointers must stay valid.
+class AdamWMultiTensor {
+ public:
+  explicit AdamWMultiTensor(const std::vector<AdamWTensor>& tensors);
+  void step(const AdamWHyper& hyper, int64_t step, float clip_norm, cudaStream_t stream);
+  const double* norm_device() const;
+
+ private:
+  DeviceBuffer slots_, chunks_, partials_, result_;
+  int64_t num_chunks_ = 0;
+};
 
 // *out += sum x^2 over n values (a device scalar, accumulated, so a sum over many tensors is
 // one call per tensor); a fixed two-pass reduction, fp64 inside.

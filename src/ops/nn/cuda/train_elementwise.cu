@@ -28,18 +28,26 @@ __global__ void gelu_tanh_backward_kernel(const float* x, const float* dy, int64
   }
 }
 
+// VW consecutive columns per thread and step (VW = 4 needs I % 4 == 0 and aligned arrays).
+template <class OutT, int VW>
 __global__ void swiglu_backward_kernel(const float* gate_up, const float* dh, int64_t rows,
-                                       int64_t I, float* d_gate_up) {
-  const int64_t n = rows * I;
+                                       int64_t I, OutT* d_gate_up) {
+  const int64_t n = rows * I / VW;
   const int64_t step = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
-    const int64_t r = i / I, c = i - r * I;
+    const int64_t e = i * VW, r = e / I, c = e - r * I;
     const int64_t ia = r * 2 * I + c, ib = ia + I;
-    const float a = gate_up[ia], b = gate_up[ib], g = dh[i];
-    const float s = 1.0f / (1.0f + expf(-a));
-    const float silu = a * s;
-    d_gate_up[ib] = g * silu;
-    d_gate_up[ia] = g * b * s * (1.0f + a * (1.0f - s));
+    const Vec<VW> a = load_vec<VW>(gate_up + ia), b = load_vec<VW>(gate_up + ib),
+                  g = load_vec<VW>(dh + e);
+    Vec<VW> da, db;
+#pragma unroll
+    for (int j = 0; j < VW; ++j) {
+      const float s = 1.0f / (1.0f + expf(-a.v[j]));
+      db.v[j] = g.v[j] * a.v[j] * s;
+      da.v[j] = g.v[j] * b.v[j] * s * (1.0f + a.v[j] * (1.0f - s));
+    }
+    store_vec<VW>(d_gate_up + ib, db);  // (after every read of this thread's columns)
+    store_vec<VW>(d_gate_up + ia, da);
   }
 }
 
@@ -47,19 +55,9 @@ template <class CopyT>
 __global__ void adamw_kernel(float* param, const float* grad, float* m, float* v, int64_t n,
                              float lr, float b1, float b2, float eps, float decay, float c1,
                              float c2, float grad_scale, CopyT* copy) {
-  const float one_minus_b1 = 1.0f - b1, one_minus_b2 = 1.0f - b2;
   const int64_t step = int64_t(gridDim.x) * blockDim.x;
   for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += step) {
-    const float g = __fmul_rn(grad[j], grad_scale);
-    const float mj = __fadd_rn(__fmul_rn(b1, m[j]), __fmul_rn(one_minus_b1, g));
-    const float vj = __fadd_rn(__fmul_rn(b2, v[j]), __fmul_rn(__fmul_rn(one_minus_b2, g), g));
-    float w = param[j];
-    w = __fsub_rn(w, __fmul_rn(decay, w));
-    const float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(vj, c2)), eps);
-    w = __fsub_rn(w, __fdiv_rn(__fmul_rn(lr, __fdiv_rn(mj, c1)), denom));
-    m[j] = mj;
-    v[j] = vj;
-    param[j] = w;
+    const float w = adamw_update(param, grad, m, v, j, lr, b1, b2, eps, decay, c1, c2, grad_scale);
     if constexpr (!std::is_same_v<CopyT, void>) {
       if (copy) {
         if constexpr (std::is_same_v<CopyT, __nv_bfloat16>)
@@ -88,13 +86,30 @@ void gelu_tanh_backward(const float* x, const float* dy, int64_t n, float* dx,
 }
 
 void swiglu_backward(const float* gate_up, const float* dh, int64_t rows, int64_t I,
-                     float* d_gate_up, cudaStream_t stream) {
+                     void* d_gate_up, ElementType d_type, cudaStream_t stream) {
   require(rows >= 0 && I >= 1, "cuda::swiglu_backward: sizes must be positive");
   if (rows == 0) return;
   require(gate_up && dh && d_gate_up, "cuda::swiglu_backward: null pointer");
-  swiglu_backward_kernel<<<grid_for(rows * I, kThreads), kThreads, 0, stream>>>(gate_up, dh, rows,
-                                                                                I, d_gate_up);
+  require(d_type == ElementType::f32 || d_gate_up != gate_up,
+          "cuda::swiglu_backward: bf16 gradients cannot overwrite the fp32 gate_up");
+  const bool vector = I % 4 == 0 && aligned_for(gate_up, 4, 4) && aligned_for(dh, 4, 4) &&
+                      aligned_for(d_gate_up, 4, element_bytes(d_type));
+  dispatch_type(d_type, [&](auto* tag) {
+    using OutT = std::remove_pointer_t<decltype(tag)>;
+    auto* out = static_cast<OutT*>(d_gate_up);
+    if (vector)
+      swiglu_backward_kernel<OutT, 4>
+          <<<grid_for(rows * I / 4, kThreads), kThreads, 0, stream>>>(gate_up, dh, rows, I, out);
+    else
+      swiglu_backward_kernel<OutT, 1>
+          <<<grid_for(rows * I, kThreads), kThreads, 0, stream>>>(gate_up, dh, rows, I, out);
+  });
   check_launch("cuda::swiglu_backward");
+}
+
+void swiglu_backward(const float* gate_up, const float* dh, int64_t rows, int64_t I,
+                     float* d_gate_up, cudaStream_t stream) {
+  swiglu_backward(gate_up, dh, rows, I, d_gate_up, ElementType::f32, stream);
 }
 
 void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n,

@@ -51,7 +51,8 @@ __global__ void rms_norm_train_kernel(const float* x, int64_t rows, int64_t D, c
 
 template <int kTeam, int V>
 __global__ void rms_norm_dx_kernel(const float* x, const float* dy, int64_t rows, int64_t D,
-                                   const float* w, const float* inv_rms, float* dx) {
+                                   const float* w, const float* inv_rms, float* dx,
+                                   bool accumulate) {
   __shared__ float scratch[32];
   int64_t row;
   int lane;
@@ -78,6 +79,11 @@ __global__ void rms_norm_dx_kernel(const float* x, const float* dy, int64_t rows
     Vec<V> o;
 #pragma unroll
     for (int k = 0; k < V; ++k) o.v[k] = d.v[k] * g.v[k] * inv - a.v[k] * c;
+    if (accumulate) {  // the residual stream's add, fused
+      const Vec<V> old = load_vec<V>(dxr + i);
+#pragma unroll
+      for (int k = 0; k < V; ++k) o.v[k] += old.v[k];
+    }
     store_vec<V>(dxr + i, o);
   }
 }
@@ -254,10 +260,12 @@ void rms_norm_forward_train(const float* x, int64_t rows, int64_t D, const float
 
 void rms_norm_backward(const float* x, const float* dy, int64_t rows, int64_t D, const float* w,
                        const float* inv_rms, float* dx, float* dw, TrainScratch& scratch,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, bool accumulate_dx) {
   require_rows(rows, D, "cuda::rms_norm_backward");
   if (rows == 0) return;
   require(x && dy && w && inv_rms && dx && dw, "cuda::rms_norm_backward: null pointer");
+  require(!accumulate_dx || dx != dy,
+          "cuda::rms_norm_backward: dx may not alias dy when accumulating");
   // dw reads dy: it runs first, so dx may overwrite dy.
   column_sums<1>(rows, D, RmsDwTerm{x, dy, inv_rms, D}, {dw}, scratch, stream,
                  "cuda::rms_norm_backward (dw)");
@@ -265,7 +273,7 @@ void rms_norm_backward(const float* x, const float* dy, int64_t rows, int64_t D,
                     aligned_for(w, 4, 4) && aligned_for(dx, 4, 4);
   for_rows(rows, D, vec4, [&](auto team, auto vec, dim3 grid, dim3 block) {
     rms_norm_dx_kernel<decltype(team)::value, decltype(vec)::value>
-        <<<grid, block, 0, stream>>>(x, dy, rows, D, w, inv_rms, dx);
+        <<<grid, block, 0, stream>>>(x, dy, rows, D, w, inv_rms, dx, accumulate_dx);
   });
   check_launch("cuda::rms_norm_backward (dx)");
 }

@@ -1,0 +1,152 @@
+// AdamW over a fixed set of tensors in three launches (instead of three per tensor): the squared
+// gradient norm by chunks (fp64, a fixed order), the clipping factor in one block, then the
+// update by chunks, which reads the factor from device memory, so the host never waits between
+// them. Chunks are slices of one tensor (kChunk elements at most); a block per chunk.
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "ops/nn/cuda/nn_common.cuh"
+#include "ops/nn/cuda/train_cuda.h"
+
+namespace kda::ops::cuda {
+namespace {
+
+using namespace nn_detail;
+
+constexpr int kThreads = 256;
+constexpr int64_t kChunk = int64_t(1) << 16;
+
+struct Slot {
+  float* param;
+  const float* grad;
+  float* m;
+  float* v;
+  __nv_bfloat16* copy;  // null: no compute copy
+  int64_t n;
+  int decay;  // 1: weight decay applies
+};
+
+struct Chunk {
+  int32_t slot;
+  int64_t begin, end;
+};
+
+struct NormResult {
+  double norm;  // sqrt of the sum of squares
+  float clip;   // the gradient scale of this step
+  int finite;   // 0: nothing is updated
+};
+
+__device__ double block_sum(double v, double* shared) {
+  shared[threadIdx.x] = v;
+  __syncthreads();
+  for (int half = kThreads / 2; half > 0; half /= 2) {
+    if (int(threadIdx.x) < half) shared[threadIdx.x] += shared[threadIdx.x + half];
+    __syncthreads();
+  }
+  return shared[0];
+}
+
+__global__ void chunk_squares_kernel(const Slot* slots, const Chunk* chunks, double* partials) {
+  __shared__ double shared[kThreads];
+  const Chunk c = chunks[blockIdx.x];
+  const float* g = slots[c.slot].grad;
+  double s = 0.0;
+  for (int64_t i = c.begin + threadIdx.x; i < c.end; i += kThreads) {
+    const double x = g[i];
+    s += x * x;
+  }
+  s = block_sum(s, shared);
+  if (threadIdx.x == 0) partials[blockIdx.x] = s;
+}
+
+__global__ void norm_clip_kernel(const double* partials, int64_t chunks, float clip_norm,
+                                 NormResult* out) {
+  __shared__ double shared[kThreads];
+  double s = 0.0;
+  for (int64_t b = threadIdx.x; b < chunks; b += kThreads) s += partials[b];
+  s = block_sum(s, shared);
+  if (threadIdx.x == 0) {
+    const double norm = sqrt(s);
+    out->norm = norm;
+    out->finite = isfinite(norm) ? 1 : 0;
+    // train::AdamW's rule: scale down to clip_norm when the norm exceeds it
+    out->clip = clip_norm > 0 && norm > double(clip_norm) ? float(double(clip_norm) / norm) : 1.0f;
+  }
+}
+
+__global__ void chunk_adamw_kernel(const Slot* slots, const Chunk* chunks, const NormResult* norm,
+                                   float lr, float b1, float b2, float eps, float weight_decay,
+                                   float c1, float c2) {
+  if (!norm->finite) return;
+  const float clip = norm->clip;
+  const Chunk c = chunks[blockIdx.x];
+  const Slot t = slots[c.slot];
+  const float decay = t.decay ? __fmul_rn(lr, weight_decay) : 0.0f;
+  for (int64_t j = c.begin + threadIdx.x; j < c.end; j += kThreads) {
+    const float w =
+        adamw_update(t.param, t.grad, t.m, t.v, j, lr, b1, b2, eps, decay, c1, c2, clip);
+    if (t.copy) t.copy[j] = __float2bfloat16_rn(w);
+  }
+}
+
+}  // namespace
+
+AdamWMultiTensor::AdamWMultiTensor(const std::vector<AdamWTensor>& tensors) {
+  std::vector<Slot> slots;
+  std::vector<Chunk> chunks;
+  for (const AdamWTensor& t : tensors) {
+    require(t.n >= 0, "cuda::AdamWMultiTensor: a tensor has a negative size");
+    require(t.n == 0 || (t.param && t.grad && t.m && t.v), "cuda::AdamWMultiTensor: null pointer");
+    require(int64_t(slots.size()) < (int64_t(1) << 31), "cuda::AdamWMultiTensor: too many tensors");
+    const int32_t index = int32_t(slots.size());
+    slots.push_back(Slot{t.param, t.grad, t.m, t.v, static_cast<__nv_bfloat16*>(t.bf16_copy), t.n,
+                         t.decay ? 1 : 0});
+    for (int64_t b = 0; b < t.n; b += kChunk)
+      chunks.push_back(Chunk{index, b, std::min(t.n, b + kChunk)});
+  }
+  num_chunks_ = int64_t(chunks.size());
+  require(num_chunks_ < (int64_t(1) << 31), "cuda::AdamWMultiTensor: too many chunks");
+  slots_.resize(std::max<size_t>(1, slots.size()) * sizeof(Slot));
+  chunks_.resize(std::max<size_t>(1, chunks.size()) * sizeof(Chunk));
+  partials_.resize(std::max<size_t>(1, chunks.size()) * sizeof(double));
+  result_.resize(sizeof(NormResult));
+  if (!slots.empty()) slots_.upload(slots.data(), slots.size() * sizeof(Slot));
+  if (!chunks.empty()) chunks_.upload(chunks.data(), chunks.size() * sizeof(Chunk));
+}
+
+void AdamWMultiTensor::step(const AdamWHyper& hyper, int64_t step, float clip_norm,
+                            cudaStream_t stream) {
+  const char* what = "cuda::AdamWMultiTensor::step";
+  require(step >= 1, std::string(what) + ": step is the 1-based number of this update");
+  require(hyper.lr > 0 && hyper.beta1 >= 0 && hyper.beta1 < 1 && hyper.beta2 >= 0 &&
+              hyper.beta2 < 1 && hyper.eps > 0 && hyper.weight_decay >= 0,
+          std::string(what) + ": bad hyper-parameters");
+  // (an empty set still writes a zero norm)
+  const unsigned blocks = unsigned(std::max<int64_t>(1, num_chunks_));
+  const auto* slots = slots_.as<Slot>();
+  const auto* chunks = chunks_.as<Chunk>();
+  auto* result = result_.as<NormResult>();
+  if (num_chunks_ > 0) {
+    chunk_squares_kernel<<<blocks, kThreads, 0, stream>>>(slots, chunks, partials_.as<double>());
+    check_launch(what);
+  }
+  norm_clip_kernel<<<1, kThreads, 0, stream>>>(partials_.as<double>(), num_chunks_, clip_norm,
+                                               result);
+  check_launch(what);
+  if (num_chunks_ == 0) return;
+  // The bias corrections as the CPU computes them (float pow of the step).
+  const float c1 = 1.0f - std::pow(hyper.beta1, float(step));
+  const float c2 = 1.0f - std::pow(hyper.beta2, float(step));
+  chunk_adamw_kernel<<<blocks, kThreads, 0, stream>>>(slots, chunks, result, hyper.lr, hyper.beta1,
+                                                      hyper.beta2, hyper.eps, hyper.weight_decay,
+                                                      c1, c2);
+  check_launch(what);
+}
+
+const double* AdamWMultiTensor::norm_device() const {
+  return reinterpret_cast<const double*>(result_.data());  // NormResult::norm comes first
+}
+
+}  // namespace kda::ops::cuda
