@@ -1,7 +1,8 @@
 // Tensor-core causal flash attention for bf16 prefill (FlashAttention-2 style).
 //
-// A block of 4 warps owns 64 queries of one head (each warp 16 query rows) and walks the key
-// tiles (64 keys) that any of its queries sees, K/V tiles double-buffered through cp.async.
+// A block of 4 warps owns 64 or 128 queries of one head (each warp 16 or 32 query rows: MT m16
+// tiles) and walks the key tiles (64 keys) that any of its queries sees, K/V tiles
+// double-buffered through cp.async.
 // Per tile: S = Q K^T (mma.sync m16n8k16, fp32 accumulators), scaled into log2 units and masked
 // (causal with q_offset, keys past Tk), online softmax on the rows each thread holds (the max
 // reduced over the quad of lanes sharing a row), P repacked from the S accumulators straight
@@ -17,6 +18,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 
 #include "ops/attention/cuda/attention_kernels.cuh"
 #include "ops/delta_rule/cuda/device_common.cuh"
@@ -29,7 +31,6 @@ using bf16 = __nv_bfloat16;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kBM = 16 * kWarps;        // queries per block
 constexpr int kBN = kAttentionKeyTile;  // keys per tile
 constexpr int kPad = 8;                 // bf16 elements of row padding (ldmatrix bank spread)
 constexpr float kLog2e = 1.4426950408889634f;
@@ -51,26 +52,33 @@ __device__ __forceinline__ void load_tile(bf16* dst, int ld, const bf16* src, in
   }
 }
 
-// DKQ > 0: Dk padded is exactly DKQ and the warp's Q fragments stay in registers; DKQ == 0: any
-// padded Dk (dkp, a multiple of 16), Q fragments re-read from shared memory per key tile.
-// DVP: padded Dv (a multiple of 16).
-template <int DKQ, int DVP>
+// DKQ > 0: Dk padded is exactly DKQ and (MT = 1) the warp's Q fragments stay in registers;
+// DKQ == 0: any padded Dk (dkp, a multiple of 16), Q fragments re-read from shared memory per
+// key tile. DVP: padded Dv (a multiple of 16). MT: m16 row tiles per warp. With MT = 2 (32
+// query rows a warp, 128 a block, as FlashAttention-2) every K / V fragment read from shared
+// memory feeds two products instead of one, halving the shared-memory traffic per product that
+// caps mma.sync at 16 rows a warp; Q fragments then come from shared memory (registers go to the
+// second tile's accumulators).
+template <int DKQ, int DVP, int MT>
 __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(AttentionParams p, int dkp) {
+  constexpr int BM = 16 * MT * kWarps;         // queries per block
+  constexpr int SN = MT == 1 ? kBN : kBN / 2;  // keys per sub-tile
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int ldk = dkp + kPad, ldv = DVP + kPad;
-  bf16* Qs = reinterpret_cast<bf16*>(smem_raw);  // [kBM][ldk]
-  bf16* Ks = Qs + kBM * ldk;                     // [2][kBN][ldk]
+  bf16* Qs = reinterpret_cast<bf16*>(smem_raw);  // [BM][ldk]
+  bf16* Ks = Qs + BM * ldk;                      // [2][kBN][ldk]
   bf16* Vs = Ks + 2 * kBN * ldk;                 // [2][kBN][ldv]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
-  const int64_t q0 = int64_t(gridDim.x - 1 - blockIdx.x) * kBM;  // heaviest tiles first
+  const int64_t q0 = int64_t(gridDim.x - 1 - blockIdx.x) * BM;  // heaviest tiles first
   const int h = blockIdx.y;
   const int64_t b = blockIdx.z;  // the sequence
   const int kvh = h / p.group;
   const int Dk = p.Dk, Dv = p.Dv;
+  const int warp_row0 = warp * 16 * MT;  // this warp's first row in the block
 
-  const int64_t q_rows = min(int64_t(kBM), p.Tq - q0);  // >= 1
+  const int64_t q_rows = min(int64_t(BM), p.Tq - q0);  // >= 1
   const int64_t kv_end = min(p.Tk, p.q_offset + q0 + q_rows);
   const int ntiles = int((kv_end + kBN - 1) / kBN);
 
@@ -90,30 +98,35 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(AttentionPa
               vchunks_valid, tid);
   };
 
-  load_tile(Qs, ldk, qsrc, p.q_stride, kBM, int(q_rows), kchunks, kchunks_valid, tid);
+  load_tile(Qs, ldk, qsrc, p.q_stride, BM, int(q_rows), kchunks, kchunks_valid, tid);
   load_kv(0, 0);
   cp_async_commit();
 
-  // Q (and tile 0) in place before the loop; the Q fragments of DKQ > 0 go to registers.
+  // Q (and tile 0) in place before the loop; the Q fragments of DKQ > 0, MT = 1 go to registers.
   cp_async_wait<0>();
   __syncthreads();
-  constexpr int kQFrags = DKQ > 0 ? DKQ / 16 : 1;
+  constexpr bool kQInRegisters = DKQ > 0 && MT == 1;
+  constexpr int kQFrags = kQInRegisters ? DKQ / 16 : 1;
   uint32_t qf[kQFrags][4];
-  if constexpr (DKQ > 0) {
+  if constexpr (kQInRegisters) {
 #pragma unroll
-    for (int ks = 0; ks < kQFrags; ++ks) load_a(qf[ks], Qs, ldk, warp * 16, ks * 16, lane);
+    for (int ks = 0; ks < kQFrags; ++ks) load_a(qf[ks], Qs, ldk, warp_row0, ks * 16, lane);
   }
 
-  float o[DVP / 8][4];
+  float o[MT][DVP / 8][4];
 #pragma unroll
-  for (int n = 0; n < DVP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY};  // rows g and g + 8 of the warp (log2 units)
-  float l_run[2] = {0.f, 0.f};              // this thread's share of the row sums
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int n = 0; n < DVP / 8; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+  // rows g and g + 8 of each m-tile (log2 units); l_run: this thread's share of the row sums
+  float m_run[MT][2], l_run[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+    m_run[mt][0] = m_run[mt][1] = -INFINITY, l_run[mt][0] = l_run[mt][1] = 0.f;
   const float scale_log2 = p.scale * kLog2e;
-  // Query positions of this thread's two rows (padded rows past Tq see every key: harmless,
-  // they are never written).
-  const int64_t qpos0 = p.q_offset + q0 + warp * 16 + g;
-  const int64_t qpos1 = qpos0 + 8;
+  // Query position of this thread's row r of m-tile mt: qpos_base + 16 mt + 8 r (padded rows
+  // past Tq see every key: harmless, they are never written).
+  const int64_t qpos_base = p.q_offset + q0 + warp_row0 + g;
 
   for (int j = 0; j < ntiles; ++j) {
     const int buf = j & 1;
@@ -129,99 +142,119 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(AttentionPa
     const bf16* Kb = Ks + buf * kBN * ldk;
     const bf16* Vb = Vs + buf * kBN * ldv;
 
-    // S = Q K^T for this warp's 16 rows x 64 keys.
-    float s[kBN / 8][4];
+    // The tile in sub-tiles of SN keys (MT = 2: 32, so the S accumulators of two m-tiles fit
+    // in registers beside O without spilling), each: S, online softmax, O += P V.
+#pragma unroll 1  // (unrolled, the compiler keeps both sub-tiles' Q fragments: spills)
+    for (int sub0 = 0; sub0 < kBN; sub0 += SN) {
+      // S = Q K^T for this warp's 16 MT rows x SN keys; each K fragment feeds MT products.
+      float s[MT][SN / 8][4];
 #pragma unroll
-    for (int n = 0; n < kBN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-    if constexpr (DKQ > 0) {
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int ks = 0; ks < kQFrags; ++ks) {
+        for (int n = 0; n < SN / 8; ++n)
+          s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+      const auto s_step = [&](int ks) {  // one 16-wide slice of the head dim
+        uint32_t a[MT][4];
+        if constexpr (kQInRegisters) {
 #pragma unroll
-        for (int np = 0; np < kBN / 16; ++np) {
-          uint32_t b[4];
-          load_b_nk(b, Kb, ldk, ks * 16, np * 16, lane);
-          mma_bf16(s[2 * np], qf[ks], b[0], b[1]);
-          mma_bf16(s[2 * np + 1], qf[ks], b[2], b[3]);
+          for (int i = 0; i < 4; ++i) a[0][i] = qf[ks][i];
+        } else {
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+            load_a(a[mt], Qs, ldk, warp_row0 + 16 * mt, ks * 16, lane);
         }
-      }
-    } else {
-      for (int ks = 0; ks < dkp / 16; ++ks) {
-        uint32_t a[4];
-        load_a(a, Qs, ldk, warp * 16, ks * 16, lane);
 #pragma unroll
-        for (int np = 0; np < kBN / 16; ++np) {
-          uint32_t b[4];
-          load_b_nk(b, Kb, ldk, ks * 16, np * 16, lane);
-          mma_bf16(s[2 * np], a, b[0], b[1]);
-          mma_bf16(s[2 * np + 1], a, b[2], b[3]);
+        for (int np = 0; np < SN / 16; ++np) {
+          uint32_t bk[4];
+          load_b_nk(bk, Kb, ldk, ks * 16, sub0 + np * 16, lane);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_bf16(s[mt][2 * np], a[mt], bk[0], bk[1]);
+            mma_bf16(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+          }
         }
+      };
+      if constexpr (DKQ > 0) {
+#pragma unroll
+        for (int ks = 0; ks < DKQ / 16; ++ks) s_step(ks);
+      } else {
+        for (int ks = 0; ks < dkp / 16; ++ks) s_step(ks);
       }
-    }
 
-    // Scale into log2 units; mask keys past a row's position (and past Tk).
-    const int64_t key0 = int64_t(j) * kBN;
-    const bool need_mask = key0 + kBN - 1 > p.q_offset + q0 || key0 + kBN > p.Tk;
-    float mx[2] = {-INFINITY, -INFINITY};
+      // Scale into log2 units; mask keys past a row's position (and past Tk); online softmax.
+      const int64_t key0 = int64_t(j) * kBN + sub0;
+      const bool need_mask = key0 + SN - 1 > p.q_offset + q0 || key0 + SN > p.Tk;
 #pragma unroll
-    for (int n = 0; n < kBN / 8; ++n) {
+      for (int mt = 0; mt < MT; ++mt) {
+        float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float val = s[n][e] * scale_log2;
-        if (need_mask) {
-          const int64_t key = key0 + n * 8 + 2 * t4 + (e & 1);
-          const int64_t qpos = (e < 2) ? qpos0 : qpos1;
-          if (key > qpos || key >= p.Tk) val = -INFINITY;
+        for (int n = 0; n < SN / 8; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float val = s[mt][n][e] * scale_log2;
+            if (need_mask) {
+              const int64_t key = key0 + n * 8 + 2 * t4 + (e & 1);
+              const int64_t qpos = qpos_base + 16 * mt + ((e < 2) ? 0 : 8);
+              if (key > qpos || key >= p.Tk) val = -INFINITY;
+            }
+            s[mt][n][e] = val;
+            mx[e >> 1] = fmaxf(mx[e >> 1], val);
+          }
         }
-        s[n][e] = val;
-        mx[e >> 1] = fmaxf(mx[e >> 1], val);
+        float alpha[2], m_use[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+          mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+          const float m_new = fmaxf(m_run[mt][r], mx[r]);
+          m_use[r] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet
+          alpha[r] = fast_exp2(m_run[mt][r] - m_use[r]);
+          m_run[mt][r] = m_new;
+        }
+        float rowsum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int n = 0; n < SN / 8; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float pv = fast_exp2(s[mt][n][e] - m_use[e >> 1]);
+            s[mt][n][e] = pv;
+            rowsum[e >> 1] += pv;
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) l_run[mt][r] = l_run[mt][r] * alpha[r] + rowsum[r];
+#pragma unroll
+        for (int n = 0; n < DVP / 8; ++n) {
+          o[mt][n][0] *= alpha[0];
+          o[mt][n][1] *= alpha[0];
+          o[mt][n][2] *= alpha[1];
+          o[mt][n][3] *= alpha[1];
+        }
       }
-    }
-    float alpha[2], m_use[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      const float m_new = fmaxf(m_run[r], mx[r]);
-      m_use[r] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet
-      alpha[r] = fast_exp2(m_run[r] - m_use[r]);
-      m_run[r] = m_new;
-    }
-    float rowsum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int n = 0; n < kBN / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float pv = fast_exp2(s[n][e] - m_use[e >> 1]);
-        s[n][e] = pv;
-        rowsum[e >> 1] += pv;
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rowsum[r];
-#pragma unroll
-    for (int n = 0; n < DVP / 8; ++n) {
-      o[n][0] *= alpha[0];
-      o[n][1] *= alpha[0];
-      o[n][2] *= alpha[1];
-      o[n][3] *= alpha[1];
-    }
 
-    // O += P V: the S accumulators of key n-tiles 2kk, 2kk+1 are the A fragment of keys
-    // [16kk, 16kk + 16) (C layout (g, 2t | 2t+1), (g+8, ...) matches A's (g, 2t), (g+8, 2t),
-    // (g, 2t+8), (g+8, 2t+8)).
+      // O += P V: the S accumulators of key n-tiles 2kk, 2kk+1 are the A fragment of keys
+      // [16kk, 16kk + 16) (C layout (g, 2t | 2t+1), (g+8, ...) matches A's (g, 2t), (g+8, 2t),
+      // (g, 2t+8), (g+8, 2t+8)); each V fragment feeds MT products.
 #pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk) {
-      uint32_t a[4];
-      a[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      for (int kk = 0; kk < SN / 16; ++kk) {
+        uint32_t a[MT][4];
 #pragma unroll
-      for (int dn = 0; dn < DVP / 16; ++dn) {
-        uint32_t b[4];
-        load_b_kn(b, Vb, ldv, kk * 16, dn * 16, lane);
-        mma_bf16(o[2 * dn], a, b[0], b[1]);
-        mma_bf16(o[2 * dn + 1], a, b[2], b[3]);
+        for (int mt = 0; mt < MT; ++mt) {
+          a[mt][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+          a[mt][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+          a[mt][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+          a[mt][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int dn = 0; dn < DVP / 16; ++dn) {
+          uint32_t bv[4];
+          load_b_kn(bv, Vb, ldv, sub0 + kk * 16, dn * 16, lane);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_bf16(o[mt][2 * dn], a[mt], bv[0], bv[1]);
+            mma_bf16(o[mt][2 * dn + 1], a[mt], bv[2], bv[3]);
+          }
+        }
       }
     }
     __syncthreads();  // everyone is done with buffer `buf` before it is refilled
@@ -229,48 +262,65 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(AttentionPa
 
   // Row sums over the quad, normalise, write the valid rows and columns.
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-  }
-  const float inv[2] = {1.f / l_run[0], 1.f / l_run[1]};
-  // lse in natural units: l_run is relative to m_run (log2 units), finite for every row.
-  if (p.lse != nullptr && t4 == 0) {
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int64_t qi = q0 + warp * 16 + g + r * 8;
-      if (qi < p.Tq) p.lse[b * p.lse_bstride + qi * p.Hq + h] = (m_run[r] + log2f(l_run[r])) * kLn2;
+      l_run[mt][r] += __shfl_xor_sync(0xffffffffu, l_run[mt][r], 1);
+      l_run[mt][r] += __shfl_xor_sync(0xffffffffu, l_run[mt][r], 2);
     }
-  }
+    const float inv[2] = {1.f / l_run[mt][0], 1.f / l_run[mt][1]};
+    // lse in natural units: l_run is relative to m_run (log2 units), finite for every row.
+    if (p.lse != nullptr && t4 == 0) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t qi = q0 + warp * 16 + g + r * 8;
-    if (qi >= p.Tq) continue;
-    float* orow = p.o + b * p.o_bstride + (qi * p.Hq + h) * int64_t(Dv);
+      for (int r = 0; r < 2; ++r) {
+        const int64_t qi = q0 + warp_row0 + 16 * mt + g + r * 8;
+        if (qi < p.Tq)
+          p.lse[b * p.lse_bstride + qi * p.Hq + h] = (m_run[mt][r] + log2f(l_run[mt][r])) * kLn2;
+      }
+    }
 #pragma unroll
-    for (int n = 0; n < DVP / 8; ++n) {
-      const int c = n * 8 + 2 * t4;
-      if (c < Dv) orow[c] = o[n][2 * r] * inv[r];
-      if (c + 1 < Dv) orow[c + 1] = o[n][2 * r + 1] * inv[r];
+    for (int r = 0; r < 2; ++r) {
+      const int64_t qi = q0 + warp_row0 + 16 * mt + g + r * 8;
+      if (qi >= p.Tq) continue;
+      float* orow = p.o + b * p.o_bstride + (qi * p.Hq + h) * int64_t(Dv);
+#pragma unroll
+      for (int n = 0; n < DVP / 8; ++n) {
+        const int c = n * 8 + 2 * t4;
+        if (c < Dv) orow[c] = o[mt][n][2 * r] * inv[r];
+        if (c + 1 < Dv) orow[c + 1] = o[mt][n][2 * r + 1] * inv[r];
+      }
     }
   }
 }
 
-size_t prefill_smem_bytes(int dkp, int dvp) {
-  return size_t(kBM + 2 * kBN) * size_t(dkp + kPad) * 2 + size_t(2 * kBN) * size_t(dvp + kPad) * 2;
+size_t prefill_smem_bytes(int rows, int dkp, int dvp) {
+  return size_t(rows + 2 * kBN) * size_t(dkp + kPad) * 2 + size_t(2 * kBN) * size_t(dvp + kPad) * 2;
 }
 
-template <int DKQ, int DVP>
+template <int DKQ, int DVP, int MT = 1>
 bool launch(const AttentionParams& p, int dkp, cudaStream_t stream) {
-  const size_t smem = prefill_smem_bytes(dkp, DVP);
+  constexpr int rows = 16 * MT * kWarps;
+  const size_t smem = prefill_smem_bytes(rows, dkp, DVP);
   if (smem > size_t(attention_max_smem())) return false;
-  auto kernel = attention_prefill_kernel<DKQ, DVP>;
+  auto kernel = attention_prefill_kernel<DKQ, DVP, MT>;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
              "cudaFuncSetAttribute (attention_prefill_kernel)");
-  const dim3 grid(unsigned((p.Tq + kBM - 1) / kBM), unsigned(p.Hq), unsigned(p.batch));
+  const dim3 grid(unsigned((p.Tq + rows - 1) / rows), unsigned(p.Hq), unsigned(p.batch));
   kernel<<<grid, kThreads, smem, stream>>>(p, dkp);
   check_launch("attention_prefill_kernel");
   return true;
+}
+
+// 32 query rows a warp (MT = 2) for the head dims of 64 and 128 when there are at least 3
+// 128-row blocks per SM (1.5 waves at the two per SM that fit); with fewer, the 64-row blocks'
+// better spread wins. Measured on the H200 (forward, causal): D = 128, H = 32, T = 8192 (2048
+// blocks) 3.41 -> 2.71 ms, T = 2048 (512 blocks) 0.284 -> 0.274 ms; D = 64, H = 12, T = 2048
+// (192 blocks) 0.100 -> 0.114 ms (slower: MT = 1 there). KDA_ATTENTION_ROWS16 (set, any value)
+// keeps 16 rows a warp everywhere (for side-by-side timing).
+bool wide_rows(const AttentionParams& p) {
+  static const bool narrow = std::getenv("KDA_ATTENTION_ROWS16") != nullptr;
+  const int64_t blocks = (p.Tq + 127) / 128 * int64_t(p.Hq) * p.batch;
+  return !narrow && p.Tq >= 128 && blocks >= 3 * int64_t(attention_sm_count());
 }
 
 }  // namespace
@@ -283,8 +333,10 @@ bool launch_attention_prefill(const AttentionParams& p, cudaStream_t stream) {
   if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v)) return false;
   const int dkp = (p.Dk + 15) / 16 * 16;
   if (dkp == 192 && p.Dv <= 128) return launch<192, 128>(p, dkp, stream);
-  if (dkp == 128 && p.Dv <= 128) return launch<128, 128>(p, dkp, stream);
-  if (dkp == 64 && p.Dv <= 64) return launch<64, 64>(p, dkp, stream);
+  if (dkp == 128 && p.Dv <= 128)
+    return wide_rows(p) ? launch<128, 128, 2>(p, dkp, stream) : launch<128, 128>(p, dkp, stream);
+  if (dkp == 64 && p.Dv <= 64)
+    return wide_rows(p) ? launch<64, 64, 2>(p, dkp, stream) : launch<64, 64>(p, dkp, stream);
   if (p.Dv <= 32) return launch<0, 32>(p, dkp, stream);
   if (p.Dv <= 64) return launch<0, 64>(p, dkp, stream);
   if (p.Dv <= 128) return launch<0, 128>(p, dkp, stream);
