@@ -1,11 +1,14 @@
 // kda_gpu_train: the lineage model trained on the GPU (train/cuda/lineage_cuda_model.h) against
 // the CPU LineageModel (fp32, the reference), then its training throughput.
 //
-//   kda_gpu_train [--check] [--bench]
+//   kda_gpu_train [--check] [--bench] [--profile] [--kimi] [--bench-2k]
 //
 // Checks print "CHECK <name> <PASS|FAIL> rel=<x> tol=<y>": the loss and every parameter's
 // gradient for each mixer kind (B rows of T tokens and packed documents), a few AdamW steps
-// against the host optimizer, and a short MQAR run whose loss must fall. Benchmarks print
+// against the host optimizer, a short MQAR run whose loss must fall, GPT-2 behind the trainer's
+// face, and Kimi Linear on the GPU against the CPU one (kimi_train_check.cpp; --kimi: those
+// alone). --bench-2k: the two 125M models at 8 x 2048 only; --profile: the same, stage by
+// stage. Benchmarks print
 // "BENCH lineage_train <fields>": tokens/s and MFU of ~125M-parameter models (12 layers, width
 // 768) as all-softmax and as the 3:1 KDA hybrid, at 2K and 16K context. Exit status 1 if any
 // check fails.
@@ -21,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/gpu/train/kimi_train_check.h"
 #include "core/random.h"
 #include "train/adamw.h"
 #include "train/cuda/gpt2_cuda_trainable.h"
@@ -339,7 +343,7 @@ void bench(const std::string& name, const std::string& pattern, int64_t B, int64
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool check = false, bench_on = false, profile = false;
+  bool check = false, bench_on = false, profile = false, kimi_only = false, bench_2k = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--check"))
       check = true;
@@ -347,12 +351,17 @@ int main(int argc, char** argv) {
       bench_on = true;
     else if (!std::strcmp(argv[i], "--profile"))  // one bench case, for nsys
       profile = true;
+    else if (!std::strcmp(argv[i], "--kimi"))  // the Kimi Linear checks alone
+      kimi_only = true;
+    else if (!std::strcmp(argv[i], "--bench-2k"))  // the 125M models at 8 x 2048 alone
+      bench_2k = true;
     else {
-      std::fprintf(stderr, "usage: kda_gpu_train [--check] [--bench] [--profile]\n");
+      std::fprintf(stderr,
+                   "usage: kda_gpu_train [--check] [--bench] [--profile] [--kimi] [--bench-2k]\n");
       return 2;
     }
   }
-  if (!check && !bench_on && !profile) check = true;
+  if (!check && !bench_on && !profile && !kimi_only && !bench_2k) check = true;
   try {
     if (check) {
       for (const char* pattern : {"AA", "LL", "KK", "GG", "DD", "KKKA", "KM", "KKKM"})
@@ -362,6 +371,11 @@ int main(int argc, char** argv) {
       check_optimizer();
       check_learns();
       check_gpt2();
+    }
+    if (check || kimi_only) failed += run_kimi_train_checks();
+    if (bench_2k) {
+      bench("softmax", "AAAAAAAAAAAA", 8, 2048);
+      bench("kda_hybrid", "KKKAKKKAKKKA", 8, 2048);
     }
     if (profile) {  // one softmax and one hybrid step, stage by stage (KDA_CUDA_PROFILE)
       bench("softmax", "AAAAAAAAAAAA", 8, 2048, false, true);

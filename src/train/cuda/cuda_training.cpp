@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "train/cuda/gpt2_cuda_trainable.h"
+#include "train/cuda/kimi_cuda_model.h"
 #include "train/cuda/lineage_cuda_model.h"
 #include "train/model_factory.h"
 
@@ -24,8 +25,13 @@ void register_cuda_training() {
           return std::unique_ptr<TrainableModel>(
               std::make_unique<Gpt2CudaTrainable>(std::unique_ptr<Gpt2Trainable>(gpt2)));
         }
+        if (auto* kimi = dynamic_cast<KimiLinearTrainable*>(host.get())) {
+          host.release();
+          return std::unique_ptr<TrainableModel>(
+              std::make_unique<KimiCudaModel>(std::unique_ptr<KimiLinearTrainable>(kimi)));
+        }
         throw Error("train --device cuda: model_type '" + type +
-                    "' trains on the CPU only (the GPU trains kda_lineage and gpt2)");
+                    "' trains on the CPU only (the GPU trains kda_lineage, gpt2 and kimi_linear)");
       });
 }
 
