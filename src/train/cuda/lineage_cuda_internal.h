@@ -14,50 +14,13 @@
 #include "ops/nn/cuda/train_cuda.h"
 #include "train/cuda/device_params.h"
 #include "train/cuda/lineage_cuda_model.h"
+#include "train/cuda/training_helpers.h"
 
 namespace kda::train::cuda {
 
 namespace lineage_detail {
 
-namespace k = ops::cuda;
-using Entry = DeviceParams::Entry;
-
-constexpr k::ElementType kF32 = k::ElementType::f32;
-constexpr k::ElementType kBf16 = k::ElementType::bf16;
-
-template <class T = char>
-T* offset(const k::DeviceBuffer& b, int64_t elements, size_t element_bytes) {
-  return reinterpret_cast<T*>(b.as<char>() + size_t(elements) * element_bytes);
-}
-
-inline void copy_device(void* to, const void* from, size_t bytes, cudaStream_t s) {
-  k::check_cuda(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync");
-}
-
-// dW[out, in] += dy^T x and dx[rows, in] (=, or += with accumulate) dy W, with dy bf16
-// [rows, out] (row stride ld_dy) and x bf16 [rows, in] (row stride ld_x); no dx when dx.data
-// is null.
-inline void linear_backward(k::Gemm& gemm, model::cuda::WeightGradGemm& wgrad, int64_t rows,
-                            int64_t in, int64_t out, const void* dy_c, int64_t ld_dy,
-                            const void* x_c, int64_t ld_x, const Entry& W, k::Gemm::Output dx,
-                            bool accumulate) {
-  wgrad.weight_gradient(kBf16, rows, out, in, dy_c, ld_dy, x_c, ld_x, W.g(), 1.f);
-  if (dx.data)
-    gemm.matmul(kBf16, rows, in, out, {dy_c, ld_dy}, {W.compute(), in}, dx, 1.f,
-                accumulate ? 1.f : 0.f);
-}
-
-// The attention calls of one layer: one batched call over B rows of T tokens, or one call per
-// packed document.
-template <class Fn>
-void for_each_attention(int64_t B, int64_t T, const std::vector<int64_t>& cu_seqlens, Fn&& fn) {
-  if (cu_seqlens.empty()) {
-    fn(int64_t(0), T, B);
-    return;
-  }
-  for (size_t n = 0; n + 1 < cu_seqlens.size(); ++n)
-    fn(cu_seqlens[n], cu_seqlens[n + 1] - cu_seqlens[n], int64_t(1));
-}
+using namespace training_helpers;  // k, Entry, kF32, kBf16, offset, linear_backward, ...
 
 // The sizes of a lineage MLA layer (LineageConfig: Kimi's 128 / 64 / 128 / 512 at head_dim 128).
 struct MlaSizes {

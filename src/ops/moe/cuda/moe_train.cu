@@ -14,22 +14,6 @@ namespace {
 
 using namespace nn_detail;
 
-template <class T>
-__device__ __forceinline__ float load1(const T* p) {
-  if constexpr (std::is_same_v<T, float>)
-    return *p;
-  else
-    return __bfloat162float(*p);
-}
-
-template <class T>
-__device__ __forceinline__ void store1(T* p, float v) {
-  if constexpr (std::is_same_v<T, float>)
-    *p = v;
-  else
-    *p = __float2bfloat16_rn(v);
-}
-
 __device__ __forceinline__ float silu_f(float a) {
   return a / (1.0f + expf(-a));
 }

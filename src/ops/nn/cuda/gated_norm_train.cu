@@ -12,22 +12,6 @@ namespace {
 
 using namespace nn_detail;
 
-template <class T>
-__device__ __forceinline__ float load1(const T* p) {
-  if constexpr (std::is_same_v<T, float>)
-    return *p;
-  else
-    return __bfloat162float(*p);
-}
-
-template <class T>
-__device__ __forceinline__ void store1(T* p, float v) {
-  if constexpr (std::is_same_v<T, float>)
-    *p = v;
-  else
-    *p = __float2bfloat16_rn(v);
-}
-
 constexpr int kWarps = 8;
 constexpr int kChunkRows = 64;
 constexpr int kColumnThreads = 128;

@@ -221,6 +221,29 @@ void map_rows(int64_t rows, int64_t cols, bool vec4, const Op& op, cudaStream_t 
   check_launch(what);
 }
 
+// One element of fp32 or bf16 storage, as fp32 (load1) or from fp32 (store1, round to nearest).
+template <class T>
+__device__ __forceinline__ float load1(const T* p) {
+  return load_vec<1>(p).v[0];
+}
+template <class T>
+__device__ __forceinline__ void store1(T* p, float v) {
+  store_vec<1>(p, Vec<1>{{v}});
+}
+
+// A fixed-order fp64 sum over a block of kThreads threads (every thread's value, a tree by
+// thread index; shared holds kThreads doubles): the same bits every run.
+template <int kThreads>
+__device__ double block_sum_fixed(double v, double* shared) {
+  shared[threadIdx.x] = v;
+  __syncthreads();
+  for (int half = kThreads / 2; half > 0; half /= 2) {
+    if (int(threadIdx.x) < half) shared[threadIdx.x] += shared[threadIdx.x + half];
+    __syncthreads();
+  }
+  return shared[0];
+}
+
 // One AdamW update of element j (train::AdamW::step's formulas and order, explicitly rounded
 // operations: no fused multiply-adds, IEEE division and square root); returns the new weight.
 __device__ __forceinline__ float adamw_update(float* param, const float* grad, float* m, float* v,

@@ -38,16 +38,6 @@ struct NormResult {
   int finite;   // 0: nothing is updated
 };
 
-__device__ double block_sum(double v, double* shared) {
-  shared[threadIdx.x] = v;
-  __syncthreads();
-  for (int half = kThreads / 2; half > 0; half /= 2) {
-    if (int(threadIdx.x) < half) shared[threadIdx.x] += shared[threadIdx.x + half];
-    __syncthreads();
-  }
-  return shared[0];
-}
-
 __global__ void chunk_squares_kernel(const Slot* slots, const Chunk* chunks, double* partials) {
   __shared__ double shared[kThreads];
   const Chunk c = chunks[blockIdx.x];
@@ -57,7 +47,7 @@ __global__ void chunk_squares_kernel(const Slot* slots, const Chunk* chunks, dou
     const double x = g[i];
     s += x * x;
   }
-  s = block_sum(s, shared);
+  s = block_sum_fixed<kThreads>(s, shared);
   if (threadIdx.x == 0) partials[blockIdx.x] = s;
 }
 
@@ -66,7 +56,7 @@ __global__ void norm_clip_kernel(const double* partials, int64_t chunks, float c
   __shared__ double shared[kThreads];
   double s = 0.0;
   for (int64_t b = threadIdx.x; b < chunks; b += kThreads) s += partials[b];
-  s = block_sum(s, shared);
+  s = block_sum_fixed<kThreads>(s, shared);
   if (threadIdx.x == 0) {
     const double norm = sqrt(s);
     out->norm = norm;

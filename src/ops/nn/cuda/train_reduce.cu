@@ -12,17 +12,6 @@ using namespace nn_detail;
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 1024;
 
-// A fixed-order sum over the block (every thread's value, a tree by thread index).
-__device__ double block_sum(double v, double* shared) {
-  shared[threadIdx.x] = v;
-  __syncthreads();
-  for (int half = kThreads / 2; half > 0; half /= 2) {
-    if (int(threadIdx.x) < half) shared[threadIdx.x] += shared[threadIdx.x + half];
-    __syncthreads();
-  }
-  return shared[0];
-}
-
 __global__ void squares_partials_kernel(const float* x, int64_t n, double* partials) {
   __shared__ double shared[kThreads];
   double s = 0.0;
@@ -31,7 +20,7 @@ __global__ void squares_partials_kernel(const float* x, int64_t n, double* parti
     const double v = x[i];
     s += v * v;
   }
-  s = block_sum(s, shared);
+  s = block_sum_fixed<kThreads>(s, shared);
   if (threadIdx.x == 0) partials[blockIdx.x] = s;
 }
 
@@ -39,7 +28,7 @@ __global__ void squares_finish_kernel(const double* partials, int64_t blocks, fl
   __shared__ double shared[kThreads];
   double s = 0.0;
   for (int64_t b = threadIdx.x; b < blocks; b += blockDim.x) s += partials[b];
-  s = block_sum(s, shared);
+  s = block_sum_fixed<kThreads>(s, shared);
   if (threadIdx.x == 0) *out = float(double(*out) + s);
 }
 
