@@ -2,10 +2,12 @@
 // and fail with a clear message on bad flags.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <string>
 
@@ -63,6 +65,43 @@ TEST(CliBench, RecallWritesJsonOfEveryCell) {
     EXPECT_LE(acc, 1.0);
   }
   EXPECT_NE(slurp(kOut / "recall.svg").find("<svg"), std::string::npos);
+}
+
+// --seeds 3: every cell trains from three seeds; recall.json holds their mean (at the learning
+// rate with the best mean) with the per-seed values, recall_runs.json every run.
+TEST(CliBench, RecallSeedsAverageAndListEveryRun) {
+  const auto out = kOut / "recall_seeds";
+  const CommandResult r =
+      run("bench recall --quick --steps 4 --lengths 16 --mixers delta --tasks mqar --lrs "
+          "3e-3,1e-2 --seeds 3 --jobs 2 --out " +
+          out.string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto results = nlohmann::json::parse(slurp(out / "recall.json"));
+  ASSERT_EQ(results.size(), 1u);
+  const auto& cell = results[0];
+  const std::vector<double> seeds = cell["seeds"].get<std::vector<double>>();
+  ASSERT_EQ(seeds.size(), 3u);
+  double sum = 0;
+  for (double a : seeds) sum += a;
+  EXPECT_NEAR(cell["accuracy"].get<double>(), sum / 3, 1e-12);
+  EXPECT_EQ(cell["accuracy_min"].get<double>(), *std::min_element(seeds.begin(), seeds.end()));
+  EXPECT_EQ(cell["accuracy_max"].get<double>(), *std::max_element(seeds.begin(), seeds.end()));
+  const auto runs = nlohmann::json::parse(slurp(out / "recall_runs.json"));
+  ASSERT_EQ(runs.size(), 6u);  // 2 learning rates x 3 seeds
+  std::set<std::pair<float, int64_t>> distinct;
+  double best_mean = -1;
+  for (const float lr : {3e-3f, 1e-2f}) {
+    double lr_sum = 0;
+    for (const auto& run_entry : runs)
+      if (run_entry["lr"].get<float>() == lr) lr_sum += run_entry["accuracy"].get<double>();
+    best_mean = std::max(best_mean, lr_sum / 3);
+  }
+  for (const auto& run_entry : runs)
+    distinct.insert({run_entry["lr"].get<float>(), run_entry["seed"].get<int64_t>()});
+  EXPECT_EQ(distinct.size(), 6u);
+  EXPECT_NEAR(cell["accuracy"].get<double>(), best_mean, 1e-12);  // the best lr's mean
+  EXPECT_NE(r.output.find("mean over seeds"), std::string::npos) << r.output;
+  EXPECT_EQ(run("bench recall --quick --seeds 0").status, 1);
 }
 
 TEST(CliBench, VerifyPassesTheFixturesAndFailsABrokenFile) {

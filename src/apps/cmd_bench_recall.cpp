@@ -41,7 +41,7 @@ void print_usage() {
       "                        [--mixers softmax,kda,...] [--tasks mqar,palindrome,stack]\n"
       "                        [--lrs 5e-4,1e-3,3e-3] [--jobs N] [--out DIR] [--batch 32]\n"
       "                        [--device cpu|cuda] [--kda-gate softplus|bounded] [--vocab V]\n"
-      "                        [--gate-dt-max 0.1]\n"
+      "                        [--gate-dt-max 0.1] [--seeds 1]\n"
       "\n"
       "Trains 2-layer models (2 heads, equal width across mixers) of each kind: softmax, linear,\n"
       "delta, gated_delta, kda and the kda+softmax hybrid, on MQAR (length/8 key-value pairs),\n"
@@ -50,7 +50,11 @@ void print_usage() {
       "--quick: heads of 32, vocab 128, lengths 64 and 128, lr 3e-3, 300 steps: a smoke run\n"
       "for two CPU cores (minutes, not a result: MQAR needs far more steps). --jobs N trains N\n"
       "cells at once, one thread each. Writes DIR/recall.md, recall.json (a list of {mixer,\n"
-      "task, seq_len, accuracy, lr}) and recall.svg (default out/recall).\n"
+      "task, seq_len, accuracy, lr, seeds}), recall_runs.json (every run) and recall.svg\n"
+      "(default out/recall).\n"
+      "--seeds N trains every cell from N seeds (17, 18, ...): a cell's accuracy is the mean over\n"
+      "them at the learning rate with the best mean, shown with its min-max; MQAR is learned in\n"
+      "a sudden transition, so one seed cannot rank mixers near it.\n"
       "--device cuda trains every cell on the GPU; --jobs N then runs N cells at once on the\n"
       "one GPU, each on its own stream.");
 }
@@ -124,7 +128,7 @@ int cmd_bench_recall(const Args& args) {
   std::vector<MixerEntry> mixers = kMixers;
   std::string out_dir = "out/recall";
   std::vector<float> lrs;
-  int64_t jobs = 1, batch = 0, vocab_option = 0;
+  int64_t jobs = 1, batch = 0, vocab_option = 0, seeds = 1;
   std::string device = "cpu", kda_gate = "softplus";
   float gate_dt_max = 0.1f;
   for (size_t i = 0; i < args.size(); ++i) {
@@ -150,6 +154,8 @@ int cmd_bench_recall(const Args& args) {
       jobs = parse_int(value, a);
     else if (a == "--batch")
       batch = parse_int(value, a);
+    else if (a == "--seeds")
+      seeds = parse_int(value, a);
     else if (a == "--device")
       device = value;
     else if (a == "--kda-gate")
@@ -187,26 +193,30 @@ int cmd_bench_recall(const Args& args) {
                                                      : quick          ? 128
                                                                       : 8192;
   for (const std::string& t : task_names) train::parse_task(t);
+  require(seeds >= 1 && seeds <= 100, "bench recall: --seeds must be in [1, 100]");
+  constexpr uint64_t kFirstSeed = 17;
 
   std::printf(
-      "kda bench recall%s: %zu mixers x %zu tasks x %zu lengths x %zu lrs, %lld steps, "
-      "%d threads\n",
+      "kda bench recall%s: %zu mixers x %zu tasks x %zu lengths x %zu lrs x %lld seeds, %lld "
+      "steps, %d threads\n",
       quick ? " --quick" : "", mixers.size(), task_names.size(), lengths.size(), lrs.size(),
-      (long long)steps, hardware_threads());
-  // Every (task, length, mixer, lr) cell is one independent training run; --jobs runs that
+      (long long)seeds, (long long)steps, hardware_threads());
+  // Every (task, length, mixer, lr, seed) is one independent training run; --jobs runs that
   // many at once, each single-threaded (small models scale better across runs than inside one).
   struct Cell {
     std::string task;
     int64_t T;
     MixerEntry mixer;
     float lr;
+    uint64_t seed;
     train::RecallResult result;
   };
   std::vector<Cell> cells;
   for (const std::string& task : task_names)
     for (int64_t T : lengths)
       for (const MixerEntry& m : mixers)
-        for (float lr : lrs) cells.push_back({task, T, m, lr, {}});
+        for (float lr : lrs)
+          for (int64_t k = 0; k < seeds; ++k) cells.push_back({task, T, m, lr, kFirstSeed + k, {}});
   Stopwatch total;
   std::atomic<size_t> next{0};
   std::mutex print_mutex;
@@ -225,7 +235,7 @@ int cmd_bench_recall(const Args& args) {
       run.steps = steps;
       run.batch = batch > 0 ? batch : quick ? 16 : 32;
       run.test_examples = quick ? 128 : 512;
-      run.seed = 17;
+      run.seed = c.seed;
       try {
         c.result = train::run_recall(run);
       } catch (...) {  // stop every worker; the first error is rethrown after the join
@@ -235,9 +245,10 @@ int cmd_bench_recall(const Args& args) {
         return;
       }
       std::lock_guard<std::mutex> lock(print_mutex);
-      std::fprintf(stderr, "  %-11s %-10s T=%-5lld lr %.0e acc %5.1f%% loss %.3f  [%.0f s]\n",
-                   c.mixer.name.c_str(), c.task.c_str(), (long long)c.T, c.lr,
-                   100 * c.result.accuracy, c.result.final_loss, total.seconds());
+      std::fprintf(
+          stderr, "  %-11s %-10s T=%-5lld lr %.0e seed %llu acc %5.1f%% loss %.3f  [%.0f s]\n",
+          c.mixer.name.c_str(), c.task.c_str(), (long long)c.T, c.lr, (unsigned long long)c.seed,
+          100 * c.result.accuracy, c.result.final_loss, total.seconds());
     }
   };
   if (jobs <= 1) {
@@ -248,23 +259,51 @@ int cmd_bench_recall(const Args& args) {
     for (std::thread& t : threads) t.join();
   }
   if (failure) std::rethrow_exception(failure);
-  std::map<std::string, double> best;
-  nlohmann::json results = nlohmann::json::array();
+  // A cell's result: the mean over its seeds at the learning rate whose mean is best.
+  struct Summary {
+    double mean = -1, min = 0, max = 0;
+    float lr = 0;
+    std::vector<double> per_seed;
+  };
+  std::map<std::string, Summary> best;
+  std::map<std::string, double> best_mean;  // (the plot's input)
+  nlohmann::json results = nlohmann::json::array(), runs = nlohmann::json::array();
+  for (const Cell& c : cells)
+    runs.push_back({{"mixer", c.mixer.name},
+                    {"task", c.task},
+                    {"seq_len", c.T},
+                    {"lr", c.lr},
+                    {"seed", c.seed},
+                    {"accuracy", c.result.accuracy},
+                    {"final_loss", c.result.final_loss},
+                    {"seconds", c.result.seconds}});
   for (const std::string& task : task_names)
     for (int64_t T : lengths)
       for (const MixerEntry& m : mixers) {
-        double top = -1;
-        float top_lr = lrs[0];
-        for (const Cell& c : cells) {
-          if (c.task != task || c.T != T || c.mixer.name != m.name) continue;
-          if (c.result.accuracy > top) {
-            top = c.result.accuracy;
-            top_lr = c.lr;
-          }
+        const std::string key = m.name + "/" + task + "/" + std::to_string(T);
+        Summary& top = best[key];
+        for (float lr : lrs) {
+          Summary here;
+          here.lr = lr;
+          for (const Cell& c : cells)
+            if (c.task == task && c.T == T && c.mixer.name == m.name && c.lr == lr)
+              here.per_seed.push_back(c.result.accuracy);
+          double sum = 0;
+          for (double a : here.per_seed) sum += a;
+          here.mean = sum / double(here.per_seed.size());
+          here.min = *std::min_element(here.per_seed.begin(), here.per_seed.end());
+          here.max = *std::max_element(here.per_seed.begin(), here.per_seed.end());
+          if (here.mean > top.mean) top = here;
         }
-        best[m.name + "/" + task + "/" + std::to_string(T)] = top;
-        results.push_back(
-            {{"mixer", m.name}, {"task", task}, {"seq_len", T}, {"accuracy", top}, {"lr", top_lr}});
+        best_mean[key] = top.mean;
+        results.push_back({{"mixer", m.name},
+                           {"task", task},
+                           {"seq_len", T},
+                           {"accuracy", top.mean},
+                           {"lr", top.lr},
+                           {"seeds", top.per_seed},
+                           {"accuracy_min", top.min},
+                           {"accuracy_max", top.max}});
       }
   std::vector<std::string> header = {"mixer"};
   for (const std::string& task : task_names)
@@ -273,17 +312,24 @@ int cmd_bench_recall(const Args& args) {
   for (const MixerEntry& m : mixers) {
     std::vector<std::string> row = {m.name};
     for (const std::string& task : task_names)
-      for (int64_t T : lengths)
-        row.push_back(fmt(100 * best[m.name + "/" + task + "/" + std::to_string(T)], 1) + "%");
+      for (int64_t T : lengths) {
+        const Summary& c = best[m.name + "/" + task + "/" + std::to_string(T)];
+        std::string text = fmt(100 * c.mean, 1) + "%";
+        if (seeds > 1) text += " (" + fmt(100 * c.min, 1) + "-" + fmt(100 * c.max, 1) + ")";
+        row.push_back(text);
+      }
     table.add(row);
   }
-  std::printf("\ntest accuracy (best lr), %.0f s\n", total.seconds());
+  std::printf("\ntest accuracy (best lr%s), %.0f s\n",
+              seeds > 1 ? "; mean over seeds (min-max)" : "", total.seconds());
   table.print();
   std::filesystem::create_directories(out_dir);
   table.write(out_dir, "recall");
   write_file_atomic(out_dir + "/recall.json", results.dump(1) + "\n");
-  write_file_atomic(out_dir + "/recall.svg", svg_plot(task_names, lengths, mixers, best));
-  std::printf("wrote %s/recall.md, recall.csv, recall.json, recall.svg\n", out_dir.c_str());
+  write_file_atomic(out_dir + "/recall_runs.json", runs.dump(1) + "\n");
+  write_file_atomic(out_dir + "/recall.svg", svg_plot(task_names, lengths, mixers, best_mean));
+  std::printf("wrote %s/recall.md, recall.csv, recall.json, recall_runs.json, recall.svg\n",
+              out_dir.c_str());
   return 0;
 }
 
