@@ -67,8 +67,28 @@ TEST(CliBench, RecallWritesJsonOfEveryCell) {
   EXPECT_NE(slurp(kOut / "recall.svg").find("<svg"), std::string::npos);
 }
 
+// The runs of recall_runs.jsonl (one JSON object a line).
+std::vector<nlohmann::json> read_runs(const std::filesystem::path& path) {
+  std::vector<nlohmann::json> runs;
+  std::istringstream in(slurp(path));
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) runs.push_back(nlohmann::json::parse(line));
+  return runs;
+}
+
+// The same, skipping lines that do not parse (a line cut short by a stopped call).
+std::vector<nlohmann::json> read_runs_skipping_bad(const std::filesystem::path& path) {
+  std::vector<nlohmann::json> runs;
+  std::istringstream in(slurp(path));
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_discarded()) runs.push_back(j);
+  }
+  return runs;
+}
+
 // --seeds 3: every cell trains from three seeds; recall.json holds their mean (at the learning
-// rate with the best mean) with the per-seed values, recall_runs.json every run.
+// rate with the best mean) with the per-seed values, recall_runs.jsonl every run.
 TEST(CliBench, RecallSeedsAverageAndListEveryRun) {
   const auto out = kOut / "recall_seeds";
   const CommandResult r =
@@ -86,7 +106,7 @@ TEST(CliBench, RecallSeedsAverageAndListEveryRun) {
   EXPECT_NEAR(cell["accuracy"].get<double>(), sum / 3, 1e-12);
   EXPECT_EQ(cell["accuracy_min"].get<double>(), *std::min_element(seeds.begin(), seeds.end()));
   EXPECT_EQ(cell["accuracy_max"].get<double>(), *std::max_element(seeds.begin(), seeds.end()));
-  const auto runs = nlohmann::json::parse(slurp(out / "recall_runs.json"));
+  const auto runs = read_runs(out / "recall_runs.jsonl");
   ASSERT_EQ(runs.size(), 6u);  // 2 learning rates x 3 seeds
   std::set<std::pair<float, int64_t>> distinct;
   double best_mean = -1;
@@ -102,6 +122,37 @@ TEST(CliBench, RecallSeedsAverageAndListEveryRun) {
   EXPECT_NEAR(cell["accuracy"].get<double>(), best_mean, 1e-12);  // the best lr's mean
   EXPECT_NE(r.output.find("mean over seeds"), std::string::npos) << r.output;
   EXPECT_EQ(run("bench recall --quick --seeds 0").status, 1);
+}
+
+// --continue: a second call with the same settings reuses every finished run (trains none and
+// gives the same table); one with other settings trains again; a cut-off last line is skipped.
+TEST(CliBench, RecallContinueReusesFinishedRuns) {
+  const auto out = kOut / "recall_continue";
+  std::filesystem::remove_all(out);
+  const std::string base =
+      "bench recall --quick --lengths 16 --mixers delta --tasks stack "
+      "--lrs 3e-3 --seeds 2 --out " +
+      out.string();
+  const CommandResult first = run(base + " --steps 3");
+  ASSERT_EQ(first.status, 0) << first.output;
+  const std::string table = slurp(out / "recall.json");
+  ASSERT_EQ(read_runs(out / "recall_runs.jsonl").size(), 2u);
+  {
+    std::ofstream cut(out / "recall_runs.jsonl", std::ios::app);
+    cut << "{\"mixer\": \"delta\", \"task";  // a line an earlier call did not finish
+  }
+  const CommandResult again = run(base + " --steps 3 --continue");
+  ASSERT_EQ(again.status, 0) << again.output;
+  EXPECT_NE(again.output.find("reusing 2 finished runs"), std::string::npos) << again.output;
+  EXPECT_EQ(again.output.find(" seed 17 acc"), std::string::npos) << again.output;  // none ran
+  EXPECT_EQ(slurp(out / "recall.json"), table);
+  const CommandResult other = run(base + " --steps 4 --continue");
+  ASSERT_EQ(other.status, 0) << other.output;
+  EXPECT_NE(other.output.find("reusing 0 finished runs"), std::string::npos) << other.output;
+  EXPECT_NE(other.output.find(" seed 17 acc"), std::string::npos) << other.output;
+  // the runs after the cut line start on a line of their own
+  const auto runs = read_runs_skipping_bad(out / "recall_runs.jsonl");
+  EXPECT_EQ(runs.size(), 4u);  // 2 with 3 steps, 2 with 4
 }
 
 TEST(CliBench, VerifyPassesTheFixturesAndFailsABrokenFile) {

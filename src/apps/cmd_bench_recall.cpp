@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -41,7 +43,7 @@ void print_usage() {
       "                        [--mixers softmax,kda,...] [--tasks mqar,palindrome,stack]\n"
       "                        [--lrs 5e-4,1e-3,3e-3] [--jobs N] [--out DIR] [--batch 32]\n"
       "                        [--device cpu|cuda] [--kda-gate softplus|bounded] [--vocab V]\n"
-      "                        [--gate-dt-max 0.1] [--seeds 1]\n"
+      "                        [--gate-dt-max 0.1] [--seeds 1] [--continue]\n"
       "\n"
       "Trains 2-layer models (2 heads, equal width across mixers) of each kind: softmax, linear,\n"
       "delta, gated_delta, kda and the kda+softmax hybrid, on MQAR (length/8 key-value pairs),\n"
@@ -50,8 +52,10 @@ void print_usage() {
       "--quick: heads of 32, vocab 128, lengths 64 and 128, lr 3e-3, 300 steps: a smoke run\n"
       "for two CPU cores (minutes, not a result: MQAR needs far more steps). --jobs N trains N\n"
       "cells at once, one thread each. Writes DIR/recall.md, recall.json (a list of {mixer,\n"
-      "task, seq_len, accuracy, lr, seeds}), recall_runs.json (every run) and recall.svg\n"
-      "(default out/recall).\n"
+      "task, seq_len, accuracy, lr, seeds}), recall_runs.jsonl (every run, one line each, written\n"
+      "as it finishes) and recall.svg (default out/recall). --continue keeps DIR's\n"
+      "recall_runs.jsonl and trains only the runs it lacks (same settings), so a grid can span\n"
+      "several calls of a time-limited machine.\n"
       "--seeds N trains every cell from N seeds (17, 18, ...): a cell's accuracy is the mean over\n"
       "them at the learning rate with the best mean, shown with its min-max; MQAR is learned in\n"
       "a sudden transition, so one seed cannot rank mixers near it.\n"
@@ -121,7 +125,7 @@ std::string svg_plot(const std::vector<std::string>& tasks, const std::vector<in
 }  // namespace
 
 int cmd_bench_recall(const Args& args) {
-  bool quick = false;
+  bool quick = false, continue_runs = false;
   int64_t steps = 0;
   std::vector<int64_t> lengths;
   std::vector<std::string> task_names = {"mqar", "palindrome", "stack"};
@@ -139,6 +143,10 @@ int cmd_bench_recall(const Args& args) {
     }
     if (a == "--quick") {
       quick = true;
+      continue;
+    }
+    if (a == "--continue") {
+      continue_runs = true;
       continue;
     }
     const std::string value = flag_value(args, i);
@@ -201,6 +209,17 @@ int cmd_bench_recall(const Args& args) {
       "steps, %d threads\n",
       quick ? " --quick" : "", mixers.size(), task_names.size(), lengths.size(), lrs.size(),
       (long long)seeds, (long long)steps, hardware_threads());
+  const int64_t run_batch = batch > 0 ? batch : quick ? 16 : 32;
+  const int64_t test_examples = quick ? 128 : 512;
+  // What a finished run must share with this call to be reused by --continue.
+  const nlohmann::json settings = {{"steps", steps},
+                                   {"vocab", vocab},
+                                   {"head_dim", head_dim},
+                                   {"batch", run_batch},
+                                   {"test_examples", test_examples},
+                                   {"kda_gate", kda_gate},
+                                   {"gate_dt_max", gate_dt_max},
+                                   {"device", device}};
   // Every (task, length, mixer, lr, seed) is one independent training run; --jobs runs that
   // many at once, each single-threaded (small models scale better across runs than inside one).
   struct Cell {
@@ -210,6 +229,7 @@ int cmd_bench_recall(const Args& args) {
     float lr;
     uint64_t seed;
     train::RecallResult result;
+    bool done = false;  // reused from an earlier call (--continue)
   };
   std::vector<Cell> cells;
   for (const std::string& task : task_names)
@@ -217,6 +237,43 @@ int cmd_bench_recall(const Args& args) {
       for (const MixerEntry& m : mixers)
         for (float lr : lrs)
           for (int64_t k = 0; k < seeds; ++k) cells.push_back({task, T, m, lr, kFirstSeed + k, {}});
+  std::filesystem::create_directories(out_dir);
+  const std::string runs_path = out_dir + "/recall_runs.jsonl";
+  size_t reused = 0;
+  if (continue_runs && std::filesystem::exists(runs_path)) {
+    std::ifstream in(runs_path);
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.empty()) continue;
+      nlohmann::json r;
+      try {
+        r = nlohmann::json::parse(line);
+      } catch (const std::exception&) {
+        continue;  // a line cut short when an earlier call was stopped
+      }
+      if (!r.contains("settings") || r["settings"] != settings) continue;
+      for (Cell& c : cells)
+        if (!c.done && r["mixer"] == c.mixer.name && r["task"] == c.task && r["seq_len"] == c.T &&
+            r["lr"].get<float>() == c.lr && r["seed"].get<uint64_t>() == c.seed) {
+          c.result.accuracy = r["accuracy"].get<double>();
+          c.result.final_loss = r["final_loss"].is_number() ? r["final_loss"].get<double>() : NAN;
+          c.result.seconds = r["seconds"].get<double>();
+          c.done = true;
+          ++reused;
+        }
+    }
+    std::printf("reusing %zu finished runs of %s\n", reused, runs_path.c_str());
+  }
+  bool cut_line = false;  // the file ends inside a line: start ours on a fresh one
+  if (continue_runs && std::filesystem::exists(runs_path) &&
+      std::filesystem::file_size(runs_path) > 0) {
+    std::ifstream tail(runs_path, std::ios::binary);
+    tail.seekg(-1, std::ios::end);
+    cut_line = tail.get() != '\n';
+  }
+  std::ofstream runs_out(runs_path, continue_runs ? std::ios::app : std::ios::trunc);
+  require(bool(runs_out), "bench recall: cannot write " + runs_path);
+  if (cut_line) runs_out << "\n";
   Stopwatch total;
   std::atomic<size_t> next{0};
   std::mutex print_mutex;
@@ -225,6 +282,7 @@ int cmd_bench_recall(const Args& args) {
     if (single_threaded) omp_set_num_threads(1);
     for (size_t i = next++; i < cells.size(); i = next++) {
       Cell& c = cells[i];
+      if (c.done) continue;
       train::RecallRun run;
       run.model = {vocab, 2 * head_dim, 2, head_dim, 4 * head_dim, c.mixer.pattern};
       run.model.kda_gate = kda_gate;
@@ -233,8 +291,8 @@ int cmd_bench_recall(const Args& args) {
       run.task = {train::parse_task(c.task), vocab, c.T, 0};
       run.lr = c.lr;
       run.steps = steps;
-      run.batch = batch > 0 ? batch : quick ? 16 : 32;
-      run.test_examples = quick ? 128 : 512;
+      run.batch = run_batch;
+      run.test_examples = test_examples;
       run.seed = c.seed;
       try {
         c.result = train::run_recall(run);
@@ -245,6 +303,16 @@ int cmd_bench_recall(const Args& args) {
         return;
       }
       std::lock_guard<std::mutex> lock(print_mutex);
+      const nlohmann::json line = {{"mixer", c.mixer.name},
+                                   {"task", c.task},
+                                   {"seq_len", c.T},
+                                   {"lr", c.lr},
+                                   {"seed", c.seed},
+                                   {"accuracy", c.result.accuracy},
+                                   {"final_loss", c.result.final_loss},
+                                   {"seconds", c.result.seconds},
+                                   {"settings", settings}};
+      runs_out << line.dump() << "\n" << std::flush;  // kept even if the call is stopped later
       std::fprintf(
           stderr, "  %-11s %-10s T=%-5lld lr %.0e seed %llu acc %5.1f%% loss %.3f  [%.0f s]\n",
           c.mixer.name.c_str(), c.task.c_str(), (long long)c.T, c.lr, (unsigned long long)c.seed,
@@ -267,16 +335,7 @@ int cmd_bench_recall(const Args& args) {
   };
   std::map<std::string, Summary> best;
   std::map<std::string, double> best_mean;  // (the plot's input)
-  nlohmann::json results = nlohmann::json::array(), runs = nlohmann::json::array();
-  for (const Cell& c : cells)
-    runs.push_back({{"mixer", c.mixer.name},
-                    {"task", c.task},
-                    {"seq_len", c.T},
-                    {"lr", c.lr},
-                    {"seed", c.seed},
-                    {"accuracy", c.result.accuracy},
-                    {"final_loss", c.result.final_loss},
-                    {"seconds", c.result.seconds}});
+  nlohmann::json results = nlohmann::json::array();
   for (const std::string& task : task_names)
     for (int64_t T : lengths)
       for (const MixerEntry& m : mixers) {
@@ -323,12 +382,10 @@ int cmd_bench_recall(const Args& args) {
   std::printf("\ntest accuracy (best lr%s), %.0f s\n",
               seeds > 1 ? "; mean over seeds (min-max)" : "", total.seconds());
   table.print();
-  std::filesystem::create_directories(out_dir);
   table.write(out_dir, "recall");
   write_file_atomic(out_dir + "/recall.json", results.dump(1) + "\n");
-  write_file_atomic(out_dir + "/recall_runs.json", runs.dump(1) + "\n");
   write_file_atomic(out_dir + "/recall.svg", svg_plot(task_names, lengths, mixers, best_mean));
-  std::printf("wrote %s/recall.md, recall.csv, recall.json, recall_runs.json, recall.svg\n",
+  std::printf("wrote %s/recall.md, recall.csv, recall.json, recall_runs.jsonl, recall.svg\n",
               out_dir.c_str());
   return 0;
 }
