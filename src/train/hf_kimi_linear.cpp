@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "core/random.h"
+#include "model/kimi_linear_blocks.h"
 #include "model/model_folder.h"
 #include "train/kimi_train_layers.h"
 #include "train/layers.h"
@@ -146,15 +147,7 @@ void KimiLinearTrainable::build(const std::string& dense_prefix_name) {
         w.shared_up = add(m + "shared_experts.up_proj.weight", {Is, D}, true);
         w.shared_down = add(m + "shared_experts.down_proj.weight", {D, Is}, true);
       }
-      ops::MoeRouting routing;
-      routing.num_experts = E;
-      routing.top_k = c.top_k;
-      routing.num_groups = c.num_expert_groups;
-      routing.topk_groups = c.topk_groups;
-      routing.renormalize = c.renormalize;
-      routing.scaling = c.routed_scaling_factor;
-      routing.validate();
-      layer->moe = std::make_unique<MoeLayer>(routing, D, I, Is, w);
+      layer->moe = std::make_unique<MoeLayer>(model::kimi::moe_routing(c), D, I, Is, w);
     }
     layers_.push_back(std::move(layer));
   }

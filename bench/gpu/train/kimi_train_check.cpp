@@ -16,6 +16,7 @@
 // positive lanes win on both sides whatever the rounding, and the gradients of every router
 // column are still compared.
 #include "bench/gpu/train/kimi_train_check.h"
+#include "bench/gpu/train/train_check_util.h"
 
 #include <algorithm>
 #include <cmath>
@@ -44,16 +45,6 @@ void report(const std::string& name, double rel, double tol) {
   std::printf("CHECK %-64s %s rel=%.3e tol=%.1e\n", name.c_str(), ok ? "PASS" : "FAIL", rel, tol);
   std::fflush(stdout);
   if (!ok) ++kimi_failed;
-}
-
-double rel_error(const float* x, const float* ref, size_t n) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < n; ++i) {
-    if (!std::isfinite(x[i])) return INFINITY;
-    num += (double(x[i]) - ref[i]) * (double(x[i]) - ref[i]);
-    den += double(ref[i]) * ref[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
 constexpr int64_t kExperts = 8;

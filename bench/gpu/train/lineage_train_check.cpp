@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "bench/gpu/train/kimi_train_check.h"
+#include "bench/gpu/train/train_check_util.h"
 #include "core/random.h"
 #include "train/adamw.h"
 #include "train/cuda/gpt2_cuda_trainable.h"
@@ -47,16 +48,6 @@ void report(const std::string& name, double rel, double tol) {
   std::printf("CHECK %-64s %s rel=%.3e tol=%.1e\n", name.c_str(), ok ? "PASS" : "FAIL", rel, tol);
   std::fflush(stdout);
   (ok ? passed : failed)++;
-}
-
-double rel_error(const float* x, const float* ref, size_t n) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < n; ++i) {
-    if (!std::isfinite(x[i])) return INFINITY;
-    num += (double(x[i]) - ref[i]) * (double(x[i]) - ref[i]);
-    den += double(ref[i]) * ref[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
 struct Batch {

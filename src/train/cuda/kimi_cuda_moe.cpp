@@ -10,6 +10,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "model/kimi_linear_blocks.h"
 #include "ops/moe/cuda/moe_cuda.h"
 #include "ops/moe/cuda/moe_train_cuda.h"
 #include "ops/nn/cuda/nn_cuda.h"
@@ -20,22 +21,6 @@ namespace kda::train::cuda {
 
 using namespace kimi_detail;
 
-namespace {
-
-ops::MoeRouting routing_of(const model::KimiLinearConfig& c) {
-  ops::MoeRouting r;
-  r.num_experts = c.num_experts;
-  r.top_k = c.top_k;
-  r.num_groups = c.num_expert_groups;
-  r.topk_groups = c.topk_groups;
-  r.renormalize = c.renormalize;
-  r.scaling = c.routed_scaling_factor;
-  r.validate();
-  return r;
-}
-
-}  // namespace
-
 void KimiCudaModel::moe_forward(Layer& L, PerLayer& P, float* y, bool count_load) {
   const model::KimiLinearConfig& c = c_;
   Activations& a = *acts_;
@@ -45,8 +30,8 @@ void KimiCudaModel::moe_forward(Layer& L, PerLayer& P, float* y, bool count_load
   const int64_t I = c.moe_intermediate, Is = I * c.num_shared_experts, pairs = R * top;
   // routing: fp32 logits, then top-k on the device
   gemm.linear(kF32, R, E, D, {P.m32.data(), D}, {L.router->f(), D}, {P.logits32.data(), kF32});
-  k::moe_route(routing_of(c), P.logits32.as<float>(), R, L.bias->f(), P.ids.as<int32_t>(),
-               P.weights.as<float>(), s);
+  k::moe_route(model::kimi::moe_routing(c), P.logits32.as<float>(), R, L.bias->f(),
+               P.ids.as<int32_t>(), P.weights.as<float>(), s);
   L.ids.resize(size_t(pairs));
   k::check_cuda(
       cudaMemcpyAsync(L.ids.data(), P.ids.data(), size_t(pairs) * 4, cudaMemcpyDeviceToHost, s),
