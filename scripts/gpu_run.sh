@@ -59,6 +59,20 @@ if [ "$mode" = "--train" ]; then
       tee "$log_dir/train_kernels.log" | grep -v "^CHECK.*PASS"
     [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
     echo "kernels: $(grep -c "^CHECK.*PASS" "$log_dir/train_kernels.log") checks pass"
+    if [[ " ${KDA_SUITES:-attention} " == *" attention"* ]]; then
+      # The 32-row tensor-core kernels run only on large grids (attention_wide_rows): check them
+      # on every check shape too, and time the 16-row ones beside them.
+      echo "== attention, attention_bwd with 32 query rows a warp everywhere (KDA_ATTENTION_ROWS=32)"
+      KDA_ATTENTION_ROWS=32 timeout 120 ./build-gpu-app/bin/kda_gpu_model --check \
+        --shared gpu_carry/shared attention attention_bwd 2>&1 |
+        tee "$log_dir/attention_rows32.log" | grep -v "^CHECK.*PASS"
+      [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+      echo "rows 32: $(grep -c "^CHECK.*PASS" "$log_dir/attention_rows32.log") checks pass"
+      echo "== attention_bwd timings with 16 query rows a warp everywhere (KDA_ATTENTION_ROWS=16)"
+      KDA_ATTENTION_ROWS=16 timeout 60 ./build-gpu-app/bin/kda_gpu_model --bench \
+        --shared gpu_carry/shared attention_bwd 2>&1 | grep "^BENCH" | sed 's/^BENCH/BENCH rows16/' |
+        tee "$log_dir/attention_rows16.log"
+    fi
   fi
   if [ -z "${KDA_SKIP_TRAIN_CHECK:-}" ]; then
     echo "== kda_gpu_train --check ${KDA_TRAIN_BENCH:---bench}"
@@ -90,7 +104,8 @@ for r in rows[:30]: print("%5s%% %10.2f ms %6s  %s" % (r[0], float(r[1])/1e6, r[
       $KDA_RECALL 2>&1 | tail -40
   fi
   echo "== table"
-  grep "^BENCH" "$log_dir/train_kernels.log" "$log_dir/lineage_train.log" | sed 's/^[^:]*://'
+  grep "^BENCH" "$log_dir/train_kernels.log" "$log_dir/attention_rows16.log" \
+    "$log_dir/lineage_train.log" 2>/dev/null | sed 's/^[^:]*://'
   exit "$status"
 fi
 # KDA_GPU_BIN: a kda_gpu_check built elsewhere (sm_90a, KDA_NATIVE=OFF) and carried along; used

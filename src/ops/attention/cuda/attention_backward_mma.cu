@@ -10,9 +10,10 @@
 // P^T and dS^T go from the accumulators straight into A fragments (bf16) as in the forward.
 // Key tiles run in order: tile 0 (every query sees it) is the heaviest and starts first.
 //
-// dq kernel: a block of 4 warps owns 64 queries of one head (each warp 16) and walks the key
-// tiles (64 keys, K / V double-buffered) its queries see: S = Q K^T, P = exp2(S scale log2(e)
-// - lse2), dP = dO V^T, dS = P (dP - delta), dQ += dS K. Query tiles run heaviest first.
+// dq kernel: a block of 4 warps owns 64 or 128 queries of one head (each warp 16 or 32, the
+// forward's rule) and walks the key tiles (64 or 32 keys, K / V double-buffered) its queries
+// see: S = Q K^T, P = exp2(S scale log2(e) - lse2), dP = dO V^T, dS = P (dP - delta),
+// dQ += dS K. Query tiles run heaviest first.
 //
 // Both kernels run the batch in grid z: sequence b = blockIdx.z reads q / k / v at the batch
 // strides, lse2 / delta / d_o and writes dq / dk / dv at its dense offsets.
@@ -40,11 +41,12 @@ using bf16 = __nv_bfloat16;
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kKeys = 16 * kWarps;  // keys per dk / dv block
-constexpr int kRows = 16 * kWarps;  // queries per dq block
-constexpr int kBN = 64;             // keys per tile of the dq kernel
-constexpr int kPad = 8;             // bf16 elements of row padding (ldmatrix bank spread)
+// Keys per tile of the dq kernel at MT m16 query tiles a warp.
+constexpr int dq_key_tile(int mt) {
+  return mt == 1 ? 64 : 32;
+}
+constexpr int kPad = 8;  // bf16 elements of row padding (ldmatrix bank spread)
 constexpr float kLog2e = 1.4426950408889634f;
-static_assert(kAttentionBwdRowPad % kRows == 0, "workspace rows must cover whole dq blocks");
 
 // Copies `rows` rows of `chunks` 16-byte chunks into smem (row stride ld); rows >= rows_valid
 // and chunks >= chunks_valid are zero-filled. src points at row 0 (stride src_stride elements).
@@ -276,60 +278,77 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(AttentionB
                   1.f, lane);
 }
 
-template <int DKP, int DVP>
+// MT: m16 query tiles per warp. MT = 2 (32 rows a warp, 128 a block) makes every K fragment
+// read from shared memory feed two products in S = Q K^T and dQ += dS K (Q / dO fragments are
+// re-read per key tile either way); its key tiles are 32 wide so that Q, dO and two K / V
+// buffers (104 KB at D = 128) still fit two blocks per SM.
+template <int DKP, int DVP, int MT>
 __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(AttentionBwdParams p) {
+  constexpr int BM = 16 * MT * kWarps;  // queries per block
+  constexpr int BN = dq_key_tile(MT);   // keys per tile
   constexpr int ldk = DKP + kPad, ldv = DVP + kPad;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  bf16* Qs = reinterpret_cast<bf16*>(smem_raw);  // [kRows][ldk]
-  bf16* dOs = Qs + kRows * ldk;                  // [kRows][ldv]
-  bf16* Ks = dOs + kRows * ldv;                  // [2][kBN][ldk]
-  bf16* Vs = Ks + 2 * kBN * ldk;                 // [2][kBN][ldv]
+  bf16* Qs = reinterpret_cast<bf16*>(smem_raw);  // [BM][ldk]
+  bf16* dOs = Qs + BM * ldk;                     // [BM][ldv]
+  bf16* Ks = dOs + BM * ldv;                     // [2][BN][ldk]
+  bf16* Vs = Ks + 2 * BN * ldk;                  // [2][BN][ldv]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
-  const int64_t q0 = int64_t(gridDim.x - 1 - blockIdx.x) * kRows;  // heaviest tiles first
+  const int64_t q0 = int64_t(gridDim.x - 1 - blockIdx.x) * BM;  // heaviest tiles first
   const int h = blockIdx.y;
   const int64_t b = blockIdx.z;  // the sequence
   const int kvh = h / p.group;
   const int Dk = p.Dk, Dv = p.Dv;
+  const int warp_row0 = warp * 16 * MT;  // this warp's first row in the block
 
-  const int64_t q_rows = min(int64_t(kRows), p.Tq - q0);  // >= 1
+  const int64_t q_rows = min(int64_t(BM), p.Tq - q0);  // >= 1
   const int64_t kv_end = min(p.Tk, p.q_offset + q0 + q_rows);
-  const int ntiles = int((kv_end + kBN - 1) / kBN);
+  const int ntiles = int((kv_end + BN - 1) / BN);
 
   const bf16* kbase = static_cast<const bf16*>(p.k) + b * p.k_bstride + int64_t(kvh) * Dk;
   const bf16* vbase = static_cast<const bf16*>(p.v) + b * p.v_bstride + int64_t(kvh) * Dv;
   auto load_kv = [&](int tile, int buf) {
-    const int64_t k0 = int64_t(tile) * kBN;
-    const int valid = int(min(int64_t(kBN), p.Tk - k0));
-    load_tile(Ks + buf * kBN * ldk, ldk, kbase + k0 * p.k_stride, p.k_stride, kBN, valid, DKP / 8,
+    const int64_t k0 = int64_t(tile) * BN;
+    const int valid = int(min(int64_t(BN), p.Tk - k0));
+    load_tile(Ks + buf * BN * ldk, ldk, kbase + k0 * p.k_stride, p.k_stride, BN, valid, DKP / 8,
               Dk / 8, tid);
-    load_tile(Vs + buf * kBN * ldv, ldv, vbase + k0 * p.v_stride, p.v_stride, kBN, valid, DVP / 8,
+    load_tile(Vs + buf * BN * ldv, ldv, vbase + k0 * p.v_stride, p.v_stride, BN, valid, DVP / 8,
               Dv / 8, tid);
   };
 
   const int64_t do_stride = int64_t(p.Hq) * Dv;
   load_tile(Qs, ldk,
             static_cast<const bf16*>(p.q) + b * p.q_bstride + q0 * p.q_stride + int64_t(h) * Dk,
-            p.q_stride, kRows, int(q_rows), DKP / 8, Dk / 8, tid);
+            p.q_stride, BM, int(q_rows), DKP / 8, Dk / 8, tid);
   load_tile(dOs, ldv,
             static_cast<const bf16*>(p.d_o) + (b * p.Tq + q0) * do_stride + int64_t(h) * Dv,
-            do_stride, kRows, int(q_rows), DVP / 8, Dv / 8, tid);
+            do_stride, BM, int(q_rows), DVP / 8, Dv / 8, tid);
   load_kv(0, 0);
   cp_async_commit();
 
-  // This thread's rows g and g + 8 of the warp (padded rows: lse2 = +inf, P = 0).
-  const int64_t r0 = q0 + warp * 16 + g;
+  // This thread's rows g and g + 8 of each m-tile. Rows past Tq_pad (the workspace pads to 64
+  // rows, a 128-row block can reach past it) and the padded rows read as lse2 = +inf: P = 0.
   const float* lse2_row = p.lse2 + (b * p.Hq + h) * p.Tq_pad;
   const float* delta_row = p.delta + (b * p.Hq + h) * p.Tq_pad;
-  const float lse2[2] = {lse2_row[r0], lse2_row[r0 + 8]};
-  const float delta[2] = {delta_row[r0], delta_row[r0 + 8]};
-  const int64_t qpos[2] = {p.q_offset + r0, p.q_offset + r0 + 8};
+  float lse2[MT][2], delta[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t row = q0 + warp_row0 + 16 * mt + 8 * r + g;
+      const bool in = row < p.Tq_pad;
+      lse2[mt][r] = in ? lse2_row[row] : INFINITY;
+      delta[mt][r] = in ? delta_row[row] : 0.f;
+    }
   const float scale_log2 = p.scale * kLog2e;
 
-  float dq[DKP / 8][4];
+  float dq[MT][DKP / 8][4];
 #pragma unroll
-  for (int n = 0; n < DKP / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int n = 0; n < DKP / 8; ++n)
+      dq[mt][n][0] = dq[mt][n][1] = dq[mt][n][2] = dq[mt][n][3] = 0.f;
 
   for (int j = 0; j < ntiles; ++j) {
     const int buf = j & 1;
@@ -341,84 +360,113 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(AttentionBwd
       cp_async_wait<0>();
     }
     __syncthreads();
-    const bf16* Kb = Ks + buf * kBN * ldk;
-    const bf16* Vb = Vs + buf * kBN * ldv;
+    const bf16* Kb = Ks + buf * BN * ldk;
+    const bf16* Vb = Vs + buf * BN * ldv;
 
-    // S = Q K^T: this warp's 16 queries x 64 keys.
-    float s[kBN / 8][4];
+    // S = Q K^T: this warp's 16 MT queries x BN keys; each K fragment feeds MT products.
+    float s[MT][BN / 8][4];
 #pragma unroll
-    for (int n = 0; n < kBN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int n = 0; n < BN / 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < DKP / 16; ++ks) {
-      uint32_t a[4];
-      load_a(a, Qs, ldk, warp * 16, ks * 16, lane);
+      uint32_t a[MT][4];
 #pragma unroll
-      for (int np = 0; np < kBN / 16; ++np) {
-        uint32_t b[4];
-        load_b_nk(b, Kb, ldk, ks * 16, np * 16, lane);  // B(d, key) = K[key][d]
-        mma_bf16(s[2 * np], a, b[0], b[1]);
-        mma_bf16(s[2 * np + 1], a, b[2], b[3]);
-      }
-    }
-
-    // P: row (query) g + 8 * (e >= 2), column (key) n*8 + 2*t4 + (e & 1).
-    const int64_t k0 = int64_t(j) * kBN;
-    const bool need_mask = k0 + kBN - 1 > p.q_offset + q0 || k0 + kBN > p.Tk;
+      for (int mt = 0; mt < MT; ++mt) load_a(a[mt], Qs, ldk, warp_row0 + 16 * mt, ks * 16, lane);
 #pragma unroll
-    for (int n = 0; n < kBN / 8; ++n) {
+      for (int np = 0; np < BN / 16; ++np) {
+        uint32_t bk[4];
+        load_b_nk(bk, Kb, ldk, ks * 16, np * 16, lane);  // B(d, key) = K[key][d]
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float pv = fast_exp2(fmaf(s[n][e], scale_log2, -lse2[e >> 1]));
-        if (need_mask) {
-          const int64_t key = k0 + n * 8 + 2 * t4 + (e & 1);
-          if (key > qpos[e >> 1] || key >= p.Tk) pv = 0.f;
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_bf16(s[mt][2 * np], a[mt], bk[0], bk[1]);
+          mma_bf16(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
         }
-        s[n][e] = pv;
       }
     }
 
-    // dP = dO V^T.
-    float dp[kBN / 8][4];
+    // P: row (query) g + 8 * (e >= 2) of m-tile mt, column (key) n*8 + 2*t4 + (e & 1).
+    // Masked: key k0 + c past query q0 + row (c > diag + row) or past Tk (c >= keys_left);
+    // both in 32 bits relative to the tile (diag > -BM whenever a mask is needed).
+    const int64_t k0 = int64_t(j) * BN;
+    const bool need_mask = k0 + BN - 1 > p.q_offset + q0 || k0 + BN > p.Tk;
+    const int diag = int(max(min(p.q_offset + q0 - k0, int64_t(BN)), -int64_t(BM)));
+    const int keys_left = int(min(p.Tk - k0, int64_t(BN)));
 #pragma unroll
-    for (int n = 0; n < kBN / 8; ++n) dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float pv = fast_exp2(fmaf(s[mt][n][e], scale_log2, -lse2[mt][e >> 1]));
+          if (need_mask) {
+            const int c = n * 8 + 2 * t4 + (e & 1);
+            const int row = warp_row0 + 16 * mt + 8 * (e >> 1) + g;
+            if (c > diag + row || c >= keys_left) pv = 0.f;
+          }
+          s[mt][n][e] = pv;
+        }
+      }
+
+    // dP = dO V^T; each V fragment feeds MT products.
+    float dp[MT][BN / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int n = 0; n < BN / 8; ++n)
+        dp[mt][n][0] = dp[mt][n][1] = dp[mt][n][2] = dp[mt][n][3] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < DVP / 16; ++ks) {
-      uint32_t a[4];
-      load_a(a, dOs, ldv, warp * 16, ks * 16, lane);
+      uint32_t a[MT][4];
 #pragma unroll
-      for (int np = 0; np < kBN / 16; ++np) {
-        uint32_t b[4];
-        load_b_nk(b, Vb, ldv, ks * 16, np * 16, lane);  // B(dv, key) = V[key][dv]
-        mma_bf16(dp[2 * np], a, b[0], b[1]);
-        mma_bf16(dp[2 * np + 1], a, b[2], b[3]);
+      for (int mt = 0; mt < MT; ++mt) load_a(a[mt], dOs, ldv, warp_row0 + 16 * mt, ks * 16, lane);
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
+        uint32_t bv[4];
+        load_b_nk(bv, Vb, ldv, ks * 16, np * 16, lane);  // B(dv, key) = V[key][dv]
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_bf16(dp[mt][2 * np], a[mt], bv[0], bv[1]);
+          mma_bf16(dp[mt][2 * np + 1], a[mt], bv[2], bv[3]);
+        }
       }
     }
 
     // dS = P (dP - delta), into dp; dQ += dS K (K dimension: the keys).
 #pragma unroll
-    for (int n = 0; n < kBN / 8; ++n) {
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta[e >> 1]);
-    }
+      for (int n = 0; n < BN / 8; ++n) {
 #pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk) {
-      uint32_t a[4];
-      acc_to_a(a, dp[2 * kk], dp[2 * kk + 1]);
+        for (int e = 0; e < 4; ++e) dp[mt][n][e] = s[mt][n][e] * (dp[mt][n][e] - delta[mt][e >> 1]);
+      }
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) acc_to_a(a[mt], dp[mt][2 * kk], dp[mt][2 * kk + 1]);
 #pragma unroll
       for (int dn = 0; dn < DKP / 16; ++dn) {
-        uint32_t b[4];
-        load_b_kn(b, Kb, ldk, kk * 16, dn * 16, lane);  // B(key, d) = K[key][d]
-        mma_bf16(dq[2 * dn], a, b[0], b[1]);
-        mma_bf16(dq[2 * dn + 1], a, b[2], b[3]);
+        uint32_t bk[4];
+        load_b_kn(bk, Kb, ldk, kk * 16, dn * 16, lane);  // B(key, d) = K[key][d]
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_bf16(dq[mt][2 * dn], a[mt], bk[0], bk[1]);
+          mma_bf16(dq[mt][2 * dn + 1], a[mt], bk[2], bk[3]);
+        }
       }
     }
     __syncthreads();  // everyone is done with buffer `buf` before it is refilled
   }
 
-  const int warp_rows = int(q_rows) - warp * 16;
-  const int64_t out_row0 = (b * p.Tq + q0 + warp * 16) * p.Hq + h;
-  store_rows<DKP>(static_cast<bf16*>(p.dq) + out_row0 * Dk, int64_t(p.Hq) * Dk, warp_rows, Dk, dq,
-                  p.scale, lane);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int row0 = warp_row0 + 16 * mt;
+    const int64_t out_row0 = (b * p.Tq + q0 + row0) * p.Hq + h;
+    store_rows<DKP>(static_cast<bf16*>(p.dq) + out_row0 * Dk, int64_t(p.Hq) * Dk,
+                    int(q_rows) - row0, Dk, dq[mt], p.scale, lane);
+  }
 }
 
 template <int DKP, int DVP, int BQ>
@@ -426,16 +474,17 @@ size_t dkdv_smem_bytes() {
   return size_t(kKeys + 2 * BQ) * (DKP + kPad) * 2 + size_t(kKeys + 2 * BQ) * (DVP + kPad) * 2 +
          size_t(4 * BQ) * sizeof(float);
 }
-template <int DKP, int DVP>
+template <int DKP, int DVP, int MT>
 size_t dq_smem_bytes() {
-  return size_t(kRows + 2 * kBN) * (DKP + kPad) * 2 + size_t(kRows + 2 * kBN) * (DVP + kPad) * 2;
+  constexpr int rows = 16 * MT * kWarps, keys = dq_key_tile(MT);
+  return size_t(rows + 2 * keys) * (DKP + kPad) * 2 + size_t(rows + 2 * keys) * (DVP + kPad) * 2;
 }
 
-template <int DKP, int DVP, int BQ>
+template <int DKP, int DVP, int BQ, int MT>
 bool launch(const AttentionBwdParams& p, cudaStream_t stream) {
   static_assert(kAttentionBwdRowPad % BQ == 0, "workspace rows must cover whole query tiles");
   const size_t smem_dkdv = dkdv_smem_bytes<DKP, DVP, BQ>();
-  const size_t smem_dq = dq_smem_bytes<DKP, DVP>();
+  const size_t smem_dq = dq_smem_bytes<DKP, DVP, MT>();
   const size_t limit = size_t(attention_max_smem());
   if (smem_dkdv > limit || smem_dq > limit) return false;
 
@@ -447,10 +496,11 @@ bool launch(const AttentionBwdParams& p, cudaStream_t stream) {
   dkdv<<<dkdv_grid, kThreads, smem_dkdv, stream>>>(p);
   check_launch("attention_bwd_dkdv_kernel");
 
-  auto dq = attention_bwd_dq_kernel<DKP, DVP>;
+  auto dq = attention_bwd_dq_kernel<DKP, DVP, MT>;
   check_cuda(cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_dq)),
              "cudaFuncSetAttribute (attention_bwd_dq_kernel)");
-  const dim3 dq_grid(unsigned((p.Tq + kRows - 1) / kRows), unsigned(p.Hq), unsigned(p.batch));
+  constexpr int rows = 16 * MT * kWarps;
+  const dim3 dq_grid(unsigned((p.Tq + rows - 1) / rows), unsigned(p.Hq), unsigned(p.batch));
   dq<<<dq_grid, kThreads, smem_dq, stream>>>(p);
   check_launch("attention_bwd_dq_kernel");
   return true;
@@ -467,8 +517,11 @@ bool launch_attention_bwd_mma(const AttentionBwdParams& p, cudaStream_t stream) 
   for (const void* ptr : {p.q, p.k, p.v, p.d_o, static_cast<const void*>(p.dq),
                           static_cast<const void*>(p.dk), static_cast<const void*>(p.dv)})
     if (!aligned16(ptr)) return false;
-  if (p.Dk <= 64 && p.Dv <= 64) return launch<64, 64, 64>(p, stream);
-  return launch<128, 128, 64>(p, stream);
+  // 32 query rows a warp in the dq kernel under the forward's rule (attention_wide_rows)
+  const bool wide = attention_wide_rows(p.Tq, p.Hq, p.batch);
+  if (p.Dk <= 64 && p.Dv <= 64)
+    return wide ? launch<64, 64, 64, 2>(p, stream) : launch<64, 64, 64, 1>(p, stream);
+  return wide ? launch<128, 128, 64, 2>(p, stream) : launch<128, 128, 64, 1>(p, stream);
 }
 
 }  // namespace kda::ops::cuda_detail

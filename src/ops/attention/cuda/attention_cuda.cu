@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 
 #include "core/error.h"
@@ -52,6 +53,16 @@ int attention_sm_count() {
     cached[device] = std::max(1, sms);
   }
   return cached[device];
+}
+
+bool attention_wide_rows(int64_t Tq, int Hq, int batch) {
+  static const int forced = [] {
+    const char* rows = std::getenv("KDA_ATTENTION_ROWS");
+    return rows ? std::atoi(rows) : 0;
+  }();
+  if (forced == 16 || forced == 32) return forced == 32;
+  const int64_t blocks = (Tq + 127) / 128 * int64_t(Hq) * batch;
+  return Tq >= 128 && blocks >= 3 * int64_t(attention_sm_count());
 }
 
 }  // namespace kda::ops::cuda_detail

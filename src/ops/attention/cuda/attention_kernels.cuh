@@ -83,6 +83,13 @@ constexpr int kAttentionMaxSplits = 256;
 int attention_max_smem();
 int attention_sm_count();
 int attention_cc_major();  // compute capability major of the current device (cached)
+// Whether the tensor-core kernels take 32 query rows a warp (128-row blocks) over 16: when
+// there are at least 3 blocks of 128 rows per SM (1.5 waves at the two per SM that fit); with
+// fewer, the 64-row blocks' better spread wins. Measured on the H200 (forward, causal): D = 128,
+// H = 32, T = 8192 (2048 blocks) 3.41 -> 2.71 ms, T = 2048 (512 blocks) 0.284 -> 0.274 ms;
+// D = 64, H = 12, T = 2048 (192 blocks) 0.100 -> 0.114 ms. KDA_ATTENTION_ROWS=16 or 32 forces
+// one width everywhere (side-by-side timing; checking the wide kernels on small shapes).
+bool attention_wide_rows(int64_t Tq, int Hq, int batch);
 
 // fp32-exact kernel (one warp per query row, fp32 FMA, expf): elem_bf16 picks the element type.
 // nsplit == 0: writes o directly over keys [0, q_offset + t] (every sequence of the batch); else

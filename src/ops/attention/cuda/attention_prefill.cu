@@ -18,7 +18,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 
 #include "ops/attention/cuda/attention_kernels.cuh"
 #include "ops/delta_rule/cuda/device_common.cuh"
@@ -311,18 +310,6 @@ bool launch(const AttentionParams& p, int dkp, cudaStream_t stream) {
   return true;
 }
 
-// 32 query rows a warp (MT = 2) for the head dims of 64 and 128 when there are at least 3
-// 128-row blocks per SM (1.5 waves at the two per SM that fit); with fewer, the 64-row blocks'
-// better spread wins. Measured on the H200 (forward, causal): D = 128, H = 32, T = 8192 (2048
-// blocks) 3.41 -> 2.71 ms, T = 2048 (512 blocks) 0.284 -> 0.274 ms; D = 64, H = 12, T = 2048
-// (192 blocks) 0.100 -> 0.114 ms (slower: MT = 1 there). KDA_ATTENTION_ROWS16 (set, any value)
-// keeps 16 rows a warp everywhere (for side-by-side timing).
-bool wide_rows(const AttentionParams& p) {
-  static const bool narrow = std::getenv("KDA_ATTENTION_ROWS16") != nullptr;
-  const int64_t blocks = (p.Tq + 127) / 128 * int64_t(p.Hq) * p.batch;
-  return !narrow && p.Tq >= 128 && blocks >= 3 * int64_t(attention_sm_count());
-}
-
 }  // namespace
 
 bool launch_attention_prefill(const AttentionParams& p, cudaStream_t stream) {
@@ -334,9 +321,11 @@ bool launch_attention_prefill(const AttentionParams& p, cudaStream_t stream) {
   const int dkp = (p.Dk + 15) / 16 * 16;
   if (dkp == 192 && p.Dv <= 128) return launch<192, 128>(p, dkp, stream);
   if (dkp == 128 && p.Dv <= 128)
-    return wide_rows(p) ? launch<128, 128, 2>(p, dkp, stream) : launch<128, 128>(p, dkp, stream);
+    return attention_wide_rows(p.Tq, p.Hq, p.batch) ? launch<128, 128, 2>(p, dkp, stream)
+                                                    : launch<128, 128>(p, dkp, stream);
   if (dkp == 64 && p.Dv <= 64)
-    return wide_rows(p) ? launch<64, 64, 2>(p, dkp, stream) : launch<64, 64>(p, dkp, stream);
+    return attention_wide_rows(p.Tq, p.Hq, p.batch) ? launch<64, 64, 2>(p, dkp, stream)
+                                                    : launch<64, 64>(p, dkp, stream);
   if (p.Dv <= 32) return launch<0, 32>(p, dkp, stream);
   if (p.Dv <= 64) return launch<0, 64>(p, dkp, stream);
   if (p.Dv <= 128) return launch<0, 128>(p, dkp, stream);
