@@ -83,8 +83,10 @@ void check_rms_forward(int64_t rows, int64_t D, ElementType out, Tally& tally) {
 }
 
 // accumulate: dx starts as random values and the gradient is added to them (the residual).
+// with_copy: dx's bf16 copy (the trainer's next GEMM input) must be the final dx rounded to bf16,
+// bit for bit.
 void check_rms_backward(int64_t rows, int64_t D, bool dx_aliases_dy, Tally& tally,
-                        bool accumulate = false) {
+                        bool accumulate = false, bool with_copy = false) {
   const std::vector<float> x = random_values(size_t(rows * D), fresh_seed(), 2.f);
   const std::vector<float> dy = random_values(size_t(rows * D), fresh_seed());
   std::vector<float> w = random_values(size_t(D), fresh_seed());
@@ -108,23 +110,34 @@ void check_rms_backward(int64_t rows, int64_t D, bool dx_aliases_dy, Tally& tall
   const DeviceBuffer d_x = upload(x), d_w = upload(w), d_inv = upload(inv);
   cu::TrainScratch scratch;
   std::vector<float> dx_runs[2], dw_runs[2];
+  std::vector<double> copy;
   for (int run = 0; run < 2; ++run) {
     DeviceBuffer d_dy = upload(dy), d_dw = upload(dw0);
     DeviceBuffer d_dx = accumulate ? upload(dx0) : poisoned(size_t(rows * D));
+    DeviceBuffer d_copy(with_copy ? size_t(rows * D) * 2 : 0);
+    if (with_copy) poison(d_copy.data(), d_copy.bytes());
     float* dx_ptr = dx_aliases_dy ? d_dy.as<float>() : d_dx.as<float>();
     cu::rms_norm_backward(d_x.as<float>(), d_dy.as<float>(), rows, D, d_w.as<float>(),
-                          d_inv.as<float>(), dx_ptr, d_dw.as<float>(), scratch, nullptr,
-                          accumulate);
+                          d_inv.as<float>(), dx_ptr, d_dw.as<float>(), scratch, nullptr, accumulate,
+                          with_copy ? d_copy.data() : nullptr);
     sync();
     dx_runs[run] = download(dx_ptr, size_t(rows * D));
     dw_runs[run] = download(d_dw.data(), size_t(D));
+    if (with_copy && run == 0)
+      copy = from_device(d_copy.data(), size_t(rows * D), ElementType::bf16);
   }
   const std::string tag = "rms_norm_backward" + dims(rows, D) + (dx_aliases_dy ? " dx=dy" : "") +
-                          (accumulate ? " dx accumulated" : "");
+                          (accumulate ? " dx accumulated" : "") + (with_copy ? " bf16 copy" : "");
   report(tally, tag + " dx", rel_error(widen(dx_runs[0]), dx_ref), kTol);
   report(tally, tag + " dw (accumulated)", rel_error(widen(dw_runs[0]), dw_ref), kTol);
   report_same(tally, tag + " deterministic",
               same_bits(dx_runs[0], dx_runs[1]) && same_bits(dw_runs[0], dw_runs[1]));
+  if (with_copy) {
+    int64_t mismatches = 0;  // (a NaN never equals)
+    for (size_t i = 0; i < copy.size(); ++i)
+      mismatches += !(copy[i] == double(bf16_to_f32(f32_to_bf16(dx_runs[0][i]))));
+    report(tally, tag + " copy equals the rounded dx", double(mismatches), 0.0);
+  }
 }
 
 // ---- LayerNorm backward ----
@@ -241,6 +254,79 @@ void check_swiglu_backward(int64_t rows, int64_t I, bool in_place, Tally& tally)
   report(tally,
          "swiglu_backward rows=" + std::to_string(rows) + " I=" + std::to_string(I) + " bf16",
          rel_error(from_device(d_bf.data(), ref.size(), ElementType::bf16), ref), 8e-3);
+}
+
+// SwiGLU forward and backward over pre-activations and d(act) of either type (the lineage
+// trainer keeps both in bf16): against float64 on the rounded inputs; fp32 results to kTol, bf16
+// ones to 4e-3 (one rounding, <= 2^-9 relative per element). Also in place over a bf16 gate_up,
+// and the refusal to overwrite gate_up with gradients of another type.
+void check_swiglu_typed(int64_t rows, int64_t I, Tally& tally) {
+  constexpr ElementType f32 = ElementType::f32, bf16 = ElementType::bf16;
+  const auto name = [](ElementType t) { return t == bf16 ? std::string("bf16") : "f32"; };
+  const std::string shape = " rows=" + std::to_string(rows) + " I=" + std::to_string(I);
+  const auto tol = [](ElementType t) { return t == bf16 ? 4e-3 : kTol; };
+  const size_t n_in = size_t(rows * 2 * I), n_act = size_t(rows * I);
+  for (ElementType in : {bf16, f32}) {
+    const std::vector<float> values = random_values(n_in, fresh_seed(), 4.f);
+    const DeviceArray gu = to_device(values, in);
+    const std::vector<double>& x = gu.rounded;
+    // forward: y = silu(a) * b, dense and into rows 4 wider than I
+    std::vector<double> y_ref(n_act);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < I; ++i) {
+        const double a = x[r * 2 * I + i], b = x[r * 2 * I + I + i];
+        y_ref[r * I + i] = a / (1.0 + std::exp(-a)) * b;
+      }
+    for (ElementType out : {f32, bf16})
+      for (int64_t stride : {int64_t(0), I + 4}) {
+        const int64_t ys = stride > 0 ? stride : I;
+        DeviceBuffer y(size_t(rows * ys) * element_bytes(out));
+        poison(y.data(), y.bytes());
+        cu::swiglu(gu.data(), in, rows, I, {y.data(), out, stride}, nullptr);
+        sync();
+        const std::vector<double> all = from_device(y.data(), size_t(rows * ys), out);
+        std::vector<double> got(n_act);
+        for (int64_t r = 0; r < rows; ++r)
+          std::copy(all.begin() + r * ys, all.begin() + r * ys + I, got.begin() + r * I);
+        report(tally,
+               "swiglu" + shape + " ys=" + std::to_string(stride) + " " + name(in) + " -> " +
+                   name(out),
+               rel_error(got, y_ref), tol(out));
+      }
+    // backward: da = g b s (1 + a (1 - s)), db = g a s with s = sigmoid(a)
+    for (ElementType dh_type : {bf16, f32}) {
+      const DeviceArray dh = to_device(random_values(n_act, fresh_seed()), dh_type);
+      std::vector<double> ref(n_in);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < I; ++i) {
+          const double a = x[r * 2 * I + i], b = x[r * 2 * I + I + i], g = dh.rounded[r * I + i];
+          const double s = 1.0 / (1.0 + std::exp(-a));
+          ref[r * 2 * I + i] = g * b * s * (1.0 + a * (1.0 - s));
+          ref[r * 2 * I + I + i] = g * a * s;
+        }
+      const std::string tag =
+          "swiglu_backward" + shape + " gate_up " + name(in) + " dh " + name(dh_type);
+      for (ElementType out : {f32, bf16}) {
+        DeviceBuffer d(n_in * element_bytes(out));
+        poison(d.data(), d.bytes());
+        cu::swiglu_backward(gu.data(), in, dh.data(), dh_type, rows, I, d.data(), out, nullptr);
+        sync();
+        report(tally, tag + " -> " + name(out), rel_error(from_device(d.data(), n_in, out), ref),
+               tol(out));
+      }
+      // in place: gradients of gate_up's own type over it
+      const DeviceArray inplace = to_device(values, in);
+      cu::swiglu_backward(inplace.data(), in, dh.data(), dh_type, rows, I, inplace.data(), in,
+                          nullptr);
+      sync();
+      report(tally, tag + " in place", rel_error(from_device(inplace.data(), n_in, in), ref),
+             tol(in));
+      const ElementType other = in == bf16 ? f32 : bf16;
+      report_throws(tally, tag + " -> " + name(other) + " over gate_up", [&] {
+        cu::swiglu_backward(gu.data(), in, dh.data(), dh_type, rows, I, gu.data(), other, nullptr);
+      });
+    }
+  }
 }
 
 // ---- embedding backward ----
@@ -453,38 +539,55 @@ void check_adamw(int64_t n, float weight_decay, float grad_scale, ElementType co
 
 // The multi-tensor AdamW (three launches for a model) against the one-tensor adamw_step given
 // the clipping factor the host computes from the same gradients: the same bits. Tensors of 1,
-// 3, 70000 (two chunks) and 10003 elements, with and without decay and bf16 copies; clipping
-// engaged (clip_norm below the norm) and not; then a NaN gradient: nothing moves.
+// 3, 70001 (three chunks, the last not a multiple of 4), 10003 and 5001 elements, the last one
+// at addresses one float past 16-byte alignment (the one-element-at-a-time path), with and
+// without decay and bf16 copies; clipping engaged (clip_norm below the norm) and not; then a NaN
+// gradient: nothing moves.
 void check_adamw_multi_tensor(float clip_norm, Tally& tally) {
-  const std::vector<int64_t> sizes = {1, 3, 70000, 10003};
+  const std::vector<int64_t> sizes = {1, 3, 70001, 10003, 5001};
+  const std::vector<int64_t> offsets = {0, 0, 0, 0, 1};  // in elements, of every array
   cu::AdamWHyper h;
   h.lr = 3e-3f;
   h.weight_decay = 0.1f;
   struct Tensor {
     std::vector<float> w, g;
     DeviceBuffer d_w, d_g, d_m, d_v, d_copy, r_w, r_m, r_v, r_copy;  // r_: one-tensor run
+    int64_t off = 0;
+    float* at(const DeviceBuffer& b) const { return b.as<float>() + off; }
+    void* copy_at(const DeviceBuffer& b) const {
+      return b.data() ? static_cast<void*>(b.as<char>() + off * 2) : nullptr;
+    }
+  };
+  // the values after `off` leading pad values
+  const auto padded = [](const std::vector<float>& v, int64_t off) {
+    std::vector<float> out(size_t(off), 7.0f);
+    out.insert(out.end(), v.begin(), v.end());
+    return upload(out);
   };
   std::vector<Tensor> t(sizes.size());
   std::vector<cu::AdamWTensor> table;
   double norm2 = 0;
   for (size_t i = 0; i < sizes.size(); ++i) {
-    const int64_t n = sizes[i];
+    const int64_t n = sizes[i], off = offsets[i];
+    t[i].off = off;
     t[i].w = random_values(size_t(n), fresh_seed());
     t[i].g = random_values(size_t(n), fresh_seed(), 0.5f);
     for (float x : t[i].g) norm2 += double(x) * x;
-    t[i].d_w = upload(t[i].w), t[i].r_w = upload(t[i].w);
-    t[i].d_g = upload(t[i].g);
+    t[i].d_w = padded(t[i].w, off), t[i].r_w = padded(t[i].w, off);
+    t[i].d_g = padded(t[i].g, off);
     const std::vector<float> m = random_values(size_t(n), fresh_seed(), 0.1f);
     std::vector<float> v = random_values(size_t(n), fresh_seed(), 0.1f);
     for (float& x : v) x = x * x;
-    t[i].d_m = upload(m), t[i].r_m = upload(m), t[i].d_v = upload(v), t[i].r_v = upload(v);
+    t[i].d_m = padded(m, off), t[i].r_m = padded(m, off);
+    t[i].d_v = padded(v, off), t[i].r_v = padded(v, off);
     const bool copy = i % 2 == 0;
     if (copy) {
-      t[i].d_copy = DeviceBuffer(size_t(n) * 2), t[i].r_copy = DeviceBuffer(size_t(n) * 2);
+      t[i].d_copy = DeviceBuffer(size_t(n + off) * 2),
+      t[i].r_copy = DeviceBuffer(size_t(n + off) * 2);
       poison(t[i].d_copy.data(), t[i].d_copy.bytes());
     }
-    table.push_back({t[i].d_w.as<float>(), t[i].d_g.as<float>(), t[i].d_m.as<float>(),
-                     t[i].d_v.as<float>(), copy ? t[i].d_copy.data() : nullptr, n, i != 1});
+    table.push_back({t[i].at(t[i].d_w), t[i].at(t[i].d_g), t[i].at(t[i].d_m), t[i].at(t[i].d_v),
+                     t[i].copy_at(t[i].d_copy), n, i != 1});
   }
   cu::AdamWMultiTensor multi(table);
   multi.step(h, 4, clip_norm, nullptr);
@@ -498,19 +601,19 @@ void check_adamw_multi_tensor(float clip_norm, Tally& tally) {
   report(tally, tag + " norm", std::abs(norm - ref_norm) / ref_norm, 1e-12);
   bool same = true;
   for (size_t i = 0; i < sizes.size(); ++i) {
+    const Tensor& ti = t[i];
     cu::AdamWHyper hi = h;
     hi.weight_decay = i != 1 ? h.weight_decay : 0.0f;
     const size_t n = size_t(sizes[i]);
-    cu::adamw_step(t[i].r_w.as<float>(), t[i].d_g.as<float>(), t[i].r_m.as<float>(),
-                   t[i].r_v.as<float>(), int64_t(n), hi, 4, clip,
-                   t[i].r_copy.data() ? t[i].r_copy.data() : nullptr, ElementType::bf16, nullptr);
+    cu::adamw_step(ti.at(ti.r_w), ti.at(ti.d_g), ti.at(ti.r_m), ti.at(ti.r_v), int64_t(n), hi, 4,
+                   clip, ti.copy_at(ti.r_copy), ElementType::bf16, nullptr);
     sync();
-    same = same && download(t[i].d_w.data(), n) == download(t[i].r_w.data(), n) &&
-           download(t[i].d_m.data(), n) == download(t[i].r_m.data(), n) &&
-           download(t[i].d_v.data(), n) == download(t[i].r_v.data(), n);
-    if (t[i].d_copy.data())
-      same = same && from_device(t[i].d_copy.data(), n, ElementType::bf16) ==
-                         from_device(t[i].r_copy.data(), n, ElementType::bf16);
+    same = same && download(ti.at(ti.d_w), n) == download(ti.at(ti.r_w), n) &&
+           download(ti.at(ti.d_m), n) == download(ti.at(ti.r_m), n) &&
+           download(ti.at(ti.d_v), n) == download(ti.at(ti.r_v), n);
+    if (ti.d_copy.data())
+      same = same && from_device(ti.copy_at(ti.d_copy), n, ElementType::bf16) ==
+                         from_device(ti.copy_at(ti.r_copy), n, ElementType::bf16);
   }
   report_same(tally, tag + " equals adamw_step per tensor", same);
   // a NaN gradient: the norm is NaN and no weight moves
@@ -585,8 +688,84 @@ void check_argument_errors(Tally& tally) {
   });
 }
 
-void run_train(const SuiteOptions& options, Tally& tally) {
-  if (!options.check) return;
+// ---- timings (--bench): the memory-bound kernels of a 125M lineage model's training step ----
+
+// n floats of 0x3C3C3C3C (~0.0115): finite normal values without a host upload.
+void fill_small(const DeviceBuffer& b) {
+  cu::check_cuda(cudaMemset(b.data(), 0x3C, b.bytes()), "fill");
+}
+
+void bench_rms_backward(int64_t rows, int64_t D, bool accumulate, bool with_copy) {
+  const size_t n = size_t(rows * D);
+  DeviceBuffer x(n * 4), dy(n * 4), dx(n * 4), w(size_t(D) * 4), inv(size_t(rows) * 4),
+      dw(size_t(D) * 4), copy(with_copy ? n * 2 : 0);
+  for (const DeviceBuffer* b : {&x, &dy, &dx, &w, &inv, &dw}) fill_small(*b);
+  cu::TrainScratch scratch;
+  const double ms = time_ms(nullptr, [&] {
+    cu::rms_norm_backward(x.as<float>(), dy.as<float>(), rows, D, w.as<float>(), inv.as<float>(),
+                          dx.as<float>(), dw.as<float>(), scratch, nullptr, accumulate,
+                          with_copy ? copy.data() : nullptr);
+  });
+  const double bytes = double(n) * (8 + (accumulate ? 8 : 4) + (with_copy ? 2 : 0));
+  std::printf("BENCH train rms_norm_backward rows=%lld D=%lld%s%s: %.1f us, %.0f GB/s\n",
+              (long long)rows, (long long)D,
+              accumulate ? " dx+=" : " dx=", with_copy ? " +bf16 copy" : "", ms * 1e3,
+              bytes / (ms * 1e-3) / 1e9);
+}
+
+// The multi-tensor AdamW over a 162M-parameter set shaped like the 125M lineage model (width
+// 768, 12 layers, MLP 2048, vocab 50304, untied head; norms without decay or copy).
+void bench_adamw_multi_tensor() {
+  std::vector<std::pair<int64_t, bool>> shapes;  // (elements, matrix: decay and a bf16 copy)
+  shapes.push_back({50304 * 768, true});
+  for (int l = 0; l < 12; ++l) {
+    for (int64_t n : {768 * 2304, 768 * 768, 768 * 2048, 768 * 2048, 768 * 2048})
+      shapes.push_back({n, true});
+    shapes.push_back({768, false});
+    shapes.push_back({768, false});
+  }
+  shapes.push_back({768, false});
+  shapes.push_back({50304 * 768, true});
+  std::vector<DeviceBuffer> buffers;
+  std::vector<cu::AdamWTensor> table;
+  double bytes = 0, params = 0;
+  for (const auto& [n, matrix] : shapes) {
+    cu::AdamWTensor t;
+    float* arrays[4];
+    for (float*& a : arrays) {
+      buffers.emplace_back(size_t(n) * 4);
+      fill_small(buffers.back());
+      a = buffers.back().as<float>();
+    }
+    t.param = arrays[0], t.grad = arrays[1], t.m = arrays[2], t.v = arrays[3];
+    if (matrix) {
+      buffers.emplace_back(size_t(n) * 2);
+      t.bf16_copy = buffers.back().data();
+    }
+    t.n = n;
+    t.decay = matrix;
+    table.push_back(t);
+    params += double(n);
+    bytes += double(n) * (4 + 16 + 12 + (matrix ? 2 : 0));  // the norm's read, then the update
+  }
+  cu::AdamWMultiTensor multi(table);
+  cu::AdamWHyper h;
+  h.lr = 1e-4f;
+  h.weight_decay = 0.1f;
+  const double ms = time_ms(nullptr, [&] { multi.step(h, 10, 1.0f, nullptr); });
+  std::printf(
+      "BENCH train adamw multi-tensor params=%.0fM: %.3f ms, %.0f GB/s (norm read + update)\n",
+      params / 1e6, ms, bytes / (ms * 1e-3) / 1e9);
+}
+
+void bench_train() {
+  bench_rms_backward(16384, 768, false, true);  // the final norm
+  bench_rms_backward(16384, 768, true, true);   // a layer's norms, as the lineage trainer
+  bench_rms_backward(16384, 768, true, false);
+  bench_adamw_multi_tensor();
+}
+
+void check_train(Tally& tally) {
   constexpr ElementType f32 = ElementType::f32, bf16 = ElementType::bf16;
 
   check_rms_forward(7, 24, f32, tally);
@@ -601,6 +780,17 @@ void run_train(const SuiteOptions& options, Tally& tally) {
   check_rms_backward(33, 128, true, tally);
   check_rms_backward(300, 768, false, tally, true);
   check_rms_backward(17, 100, false, tally, true);
+  // the one-pass kernel (D <= 1024, D % 4 == 0) at each width class, with the bf16 copy: the
+  // trainer's shape (rows not a multiple of the chunk), a lane with a partial last vector
+  // (D % 128 != 0), the widest (the old dx loaded late), dx over dy; then the two-kernel paths
+  // (a block per row, scalar) with the copy
+  check_rms_backward(4100, 768, false, tally, true, true);
+  check_rms_backward(4100, 768, false, tally, false, true);
+  check_rms_backward(37, 900, false, tally, true, true);
+  check_rms_backward(1000, 1024, false, tally, true, true);
+  check_rms_backward(50, 1024, true, tally, false, true);
+  check_rms_backward(5, 2304, false, tally, true, true);
+  check_rms_backward(7, 100, false, tally, true, true);
 
   check_layer_norm_backward(1, 24, false, false, tally);
   check_layer_norm_backward(33, 768, true, false, tally);
@@ -614,6 +804,10 @@ void run_train(const SuiteOptions& options, Tally& tally) {
   check_swiglu_backward(7, 100, false, tally);
   check_swiglu_backward(64, 1408, false, tally);
   check_swiglu_backward(5, 37, true, tally);
+  check_swiglu_typed(7, 100, tally);
+  check_swiglu_typed(5, 37, tally);  // scalar path
+  check_swiglu_typed(1, 4, tally);
+  check_swiglu_typed(64, 2048, tally);  // the lineage trainer's width
 
   // rows, D, vocab, distinct ids, strays
   check_embedding_backward(4096, 64, 1000, 50, false, tally);
@@ -655,6 +849,11 @@ void run_train(const SuiteOptions& options, Tally& tally) {
   check_scale(100003, tally);
 
   check_argument_errors(tally);
+}
+
+void run_train(const SuiteOptions& options, Tally& tally) {
+  if (options.check) check_train(tally);
+  if (options.bench) bench_train();
 }
 
 const bool registered = register_suite("train", run_train);

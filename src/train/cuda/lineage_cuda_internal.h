@@ -64,7 +64,10 @@ struct LineageCudaModel::Engines {
 // What the forward keeps of one layer for the backward.
 struct LineageCudaModel::PerLayer {
   ops::cuda::DeviceBuffer inv1, a_c, qkv32, q_c, k_c, v_c, g_c, b_c, braw32, graw32, qa32, ka32,
-      v32, o32, lse, o_c, inv2, m_c, up32, act_c;
+      v32, o32, lse, o_c, inv2, m_c;
+  // the MLP: pre-activations [W1 m | W3 m] (bf16 [R, 2F]), silu(W1 m) * W3 m (bf16 [R, F]), and
+  // [W1; W3] (bf16 [2F, d], the compute copies side by side, copied by each forward)
+  ops::cuda::DeviceBuffer up_c, act_c, w13_c;
   // MLA: the kv_a rows [c | k_rope] fp32, the latent before its norm, its inverse RMS, the normed
   // latent in bf16 (q_c, k_c, v_c hold q, the per-head keys [k_nope | k_rope] and values)
   ops::cuda::DeviceBuffer rows32, lat32, inv_lat, latn_c;
@@ -80,6 +83,7 @@ struct LineageCudaModel::Activations {
   ops::cuda::DeviceBuffer invf, hf_c, logits;
   ops::cuda::DeviceBuffer dh, dtmp, dan, dy_c, d32a, d32b, do_c, dq_c, dk_c, dv_c, dg_c, db_c, dA,
       ddt, dlinear32, workspace;
+  ops::cuda::DeviceBuffer dact_c;  // the MLP's d(act) (bf16 [R, F]), what its SwiGLU reads
   // MLA backward: dq / dk (bf16, per-head width qk), dk and dv in fp32, d(kv_b out), d(kv_a rows),
   // d(latent), and the [H qk, rope] 0/1 matrix that sums the heads' rope-key gradients
   ops::cuda::DeviceBuffer dqm_c, dkm_c, dkeys32, dvalues32, dkvb32, drows32, dlat32, rope_sum;

@@ -171,8 +171,11 @@ void LineageCudaModel::ensure_activations(int64_t R) {
     p.o_c = bf(R * inner);
     p.inv2 = f32(R);
     p.m_c = bf(R * d);
-    p.up32 = f32(R * 2 * F);
+    // the MLP: bf16 pre-activations [W1 m | W3 m] (fp32 inside the SwiGLU kernels, as fla and
+    // llm.c keep them), and W1 and W3's compute copies side by side (one GEMM each way)
+    p.up_c = bf(R * 2 * F);
     p.act_c = bf(R * F);
+    p.w13_c = bf(2 * F * d);
     a->layers.push_back(std::move(p));
   }
   a->invf = f32(R);
@@ -185,7 +188,8 @@ void LineageCudaModel::ensure_activations(int64_t R) {
   a->dan = f32(R * d);
   const MlaSizes m(c.head_dim);  // (MLA layers only)
   a->dy_c = bf(R * std::max({V, 2 * F, d, 2 * inner, m.row}));
-  a->d32a = f32(R * std::max(F, inner));
+  a->d32a = f32(R * inner);
+  a->dact_c = bf(R * F);
   a->d32b = f32(R * inner);
   a->do_c = bf(R * inner);
   a->dq_c = bf(R * inner);
@@ -565,12 +569,13 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
     k::rms_norm_forward_train(x_mid, R, d, W.norm2->f(), eps, {P.m_c.data(), kBf16},
                               P.inv2.as<float>(), s);
     timer.mark(s, "f.norm_residual");
-    gemm.linear(kBf16, R, F, d, {P.m_c.data(), d}, {W.W1->compute(), d},
-                {P.up32.data(), kF32, 2 * F});
-    gemm.linear(kBf16, R, F, d, {P.m_c.data(), d}, {W.W3->compute(), d},
-                {offset(P.up32, F, 4), kF32, 2 * F});
+    // W1 and W3 as one [2F, d] weight (refreshed from the compute copies, which the optimizer
+    // rewrites; the backward reads the same): one GEMM into the bf16 [R, 2F] pre-activations
+    copy_device(P.w13_c.data(), W.W1->compute(), size_t(F * d) * 2, s);
+    copy_device(offset(P.w13_c, F * d, 2), W.W3->compute(), size_t(F * d) * 2, s);
+    gemm.linear(kBf16, R, 2 * F, d, {P.m_c.data(), d}, {P.w13_c.data(), d}, {P.up_c.data(), kBf16});
     timer.mark(s, "f.mlp_gemm");
-    k::swiglu(P.up32.as<float>(), R, F, {P.act_c.data(), kBf16}, s);
+    k::swiglu(P.up_c.data(), kBf16, R, F, {P.act_c.data(), kBf16}, s);
     copy_device(x_out, x_mid, size_t(R * d) * 4, s);
     timer.mark(s, "f.mlp_act");
     gemm.linear(kBf16, R, d, F, {P.act_c.data(), F}, {W.W2->compute(), F}, {x_out, kF32}, 1.f, 1.f);
@@ -597,40 +602,40 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
     linear_backward(gemm, wgrad, R, d, V, a.dy_c.data(), V, a.hf_c.data(), d, lm_head, {dtmp, kF32},
                     false);
     timer.mark(s, "b.head_gemm");
+    // (each norm backward also writes its dh in bf16 to dy_c, the next GEMM's input)
     k::rms_norm_backward(x_final, dtmp, R, d, final_norm.f(), a.invf.as<float>(), dh,
-                         final_norm.g(), scratch, s);
+                         final_norm.g(), scratch, s, /*accumulate_dx=*/false, a.dy_c.data());
     for (int64_t l = L - 1; l >= 0; --l) {
       Layer& W = layers_[size_t(l)];
       PerLayer& P = a.layers[size_t(l)];
       const float* x_in = a.h[size_t(2 * l)].as<float>();
       const float* x_mid = a.h[size_t(2 * l + 1)].as<float>();
-      // MLP (dh: the gradient of x_out)
+      // MLP (dh: the gradient of x_out; dy_c: dh in bf16, from the norm backward before)
       timer.mark(s, "b.norm_residual");
-      k::convert(dh, kF32, a.dy_c.data(), kBf16, R * d, s);
-      timer.mark(s, "b.casts");
       linear_backward(gemm, wgrad, R, F, d, a.dy_c.data(), d, P.act_c.data(), F, *W.W2,
-                      {a.d32a.data(), kF32}, false);
+                      {a.dact_c.data(), kBf16}, false);
       timer.mark(s, "b.mlp_gemm");
-      k::swiglu_backward(P.up32.as<float>(), a.d32a.as<float>(), R, F, a.dy_c.data(), kBf16, s);
+      k::swiglu_backward(P.up_c.data(), kBf16, a.dact_c.data(), kBf16, R, F, a.dy_c.data(), kBf16,
+                         s);
       timer.mark(s, "b.mlp_act");
-      linear_backward(gemm, wgrad, R, d, F, a.dy_c.data(), 2 * F, P.m_c.data(), d, *W.W1,
-                      {dtmp, kF32}, false);
-      linear_backward(gemm, wgrad, R, d, F, offset(a.dy_c, F, 2), 2 * F, P.m_c.data(), d, *W.W3,
-                      {dtmp, kF32}, true);
+      // W1, W3: their weight gradients, then one dx product over both (K = 2F)
+      wgrad.weight_gradient(kBf16, R, F, d, a.dy_c.data(), 2 * F, P.m_c.data(), d, W.W1->g(), 1.f);
+      wgrad.weight_gradient(kBf16, R, F, d, offset(a.dy_c, F, 2), 2 * F, P.m_c.data(), d, W.W3->g(),
+                            1.f);
+      gemm.matmul(kBf16, R, d, 2 * F, {a.dy_c.data(), 2 * F}, {P.w13_c.data(), d}, {dtmp, kF32});
       timer.mark(s, "b.mlp_gemm");
       k::rms_norm_backward(x_mid, dtmp, R, d, W.norm2->f(), P.inv2.as<float>(), dh, W.norm2->g(),
-                           scratch, s, /*accumulate_dx=*/true);
-      // mixer (dh: the gradient of x_mid); d_o in bf16 for the mixers' backward
+                           scratch, s, /*accumulate_dx=*/true, a.dy_c.data());
+      // mixer (dh: the gradient of x_mid; dy_c: dh in bf16); d_o in bf16 for the mixers' backward
       timer.mark(s, "b.norm_residual");
-      k::convert(dh, kF32, a.dy_c.data(), kBf16, R * d, s);
-      timer.mark(s, "b.casts");
       linear_backward(gemm, wgrad, R, inner, d, a.dy_c.data(), d, P.o_c.data(), inner, *W.Wo,
                       {a.do_c.data(), kBf16}, false);
       timer.mark(s, "b.o_gemm");
       mixer_backward(W, l, B, T);
       timer.mark(s, "b.other");
+      // (below layer 0 the embedding backward reads the fp32 dh only)
       k::rms_norm_backward(x_in, dan, R, d, W.norm1->f(), P.inv1.as<float>(), dh, W.norm1->g(),
-                           scratch, s, /*accumulate_dx=*/true);
+                           scratch, s, /*accumulate_dx=*/true, l > 0 ? a.dy_c.data() : nullptr);
     }
     timer.mark(s, "b.norm_residual");
     k::embedding_backward(a.ids.as<int32_t>(), dh, R, d, V, embed.g(), scratch, s);

@@ -59,15 +59,16 @@ struct GeluOp {
   }
 };
 
-template <class OutT>
+// gate_up fp32 or bf16 (InT), arithmetic fp32.
+template <class InT, class OutT>
 struct SwigluOp {
-  const float* gate_up;
+  const InT* gate_up;
   int64_t I;
   OutT* y;
   int64_t y_stride;
   template <int V>
   __device__ void apply(int64_t r, int64_t c) const {
-    const float* row = gate_up + r * 2 * I;
+    const InT* row = gate_up + r * 2 * I;
     const Vec<V> g = load_vec<V>(row + c);
     const Vec<V> u = load_vec<V>(row + I + c);
     Vec<V> o;
@@ -152,19 +153,30 @@ void gelu_tanh(const float* x, int64_t rows, int64_t cols, OutRows y, cudaStream
   });
 }
 
-void swiglu(const float* gate_up, int64_t rows, int64_t I, OutRows y, cudaStream_t stream) {
+void swiglu(const void* gate_up, ElementType gate_up_type, int64_t rows, int64_t I, OutRows y,
+            cudaStream_t stream) {
   require(rows >= 0 && I >= 1, "cuda::swiglu: sizes must be positive");
   check_out(y, I, "cuda::swiglu");
   if (rows == 0) return;
   require(gate_up && y.data, "cuda::swiglu: null pointer");
   const int64_t ys = out_stride(y, I);
-  const bool vec4 = I % 4 == 0 && ys % 4 == 0 && aligned_for(gate_up, 4, 4) &&
+  const bool vec4 = I % 4 == 0 && ys % 4 == 0 &&
+                    aligned_for(gate_up, 4, element_bytes(gate_up_type)) &&
                     aligned_for(y.data, 4, element_bytes(y.type));
-  dispatch_type(y.type, [&](auto* tag) {
-    using OutT = Elem<decltype(tag)>;
-    map_rows(rows, I, vec4, SwigluOp<OutT>{gate_up, I, static_cast<OutT*>(y.data), ys}, stream,
-             "cuda::swiglu");
+  dispatch_type(gate_up_type, [&](auto* in_tag) {
+    using InT = Elem<decltype(in_tag)>;
+    dispatch_type(y.type, [&](auto* tag) {
+      using OutT = Elem<decltype(tag)>;
+      map_rows(
+          rows, I, vec4,
+          SwigluOp<InT, OutT>{static_cast<const InT*>(gate_up), I, static_cast<OutT*>(y.data), ys},
+          stream, "cuda::swiglu");
+    });
   });
+}
+
+void swiglu(const float* gate_up, int64_t rows, int64_t I, OutRows y, cudaStream_t stream) {
+  swiglu(gate_up, ElementType::f32, rows, I, y, stream);
 }
 
 void sigmoid(const float* x, int64_t rows, int64_t cols, int64_t x_stride, float* y,

@@ -244,18 +244,27 @@ __device__ double block_sum_fixed(double v, double* shared) {
   return shared[0];
 }
 
-// One AdamW update of element j (train::AdamW::step's formulas and order, explicitly rounded
-// operations: no fused multiply-adds, IEEE division and square root); returns the new weight.
+// One AdamW update of weight w with moments m and v (in place) and gradient `grad`
+// (train::AdamW::step's formulas and order, explicitly rounded operations: no fused
+// multiply-adds, IEEE division and square root). The one formula of every AdamW kernel, so they
+// agree bit for bit.
+__device__ __forceinline__ void adamw_math(float& w, float grad, float& m, float& v, float lr,
+                                           float b1, float b2, float eps, float decay, float c1,
+                                           float c2, float grad_scale) {
+  const float g = __fmul_rn(grad, grad_scale);
+  m = __fadd_rn(__fmul_rn(b1, m), __fmul_rn(__fsub_rn(1.0f, b1), g));
+  v = __fadd_rn(__fmul_rn(b2, v), __fmul_rn(__fmul_rn(__fsub_rn(1.0f, b2), g), g));
+  w = __fsub_rn(w, __fmul_rn(decay, w));
+  const float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(v, c2)), eps);
+  w = __fsub_rn(w, __fdiv_rn(__fmul_rn(lr, __fdiv_rn(m, c1)), denom));
+}
+
+// adamw_math on element j of the arrays; returns the new weight.
 __device__ __forceinline__ float adamw_update(float* param, const float* grad, float* m, float* v,
                                               int64_t j, float lr, float b1, float b2, float eps,
                                               float decay, float c1, float c2, float grad_scale) {
-  const float g = __fmul_rn(grad[j], grad_scale);
-  const float mj = __fadd_rn(__fmul_rn(b1, m[j]), __fmul_rn(__fsub_rn(1.0f, b1), g));
-  const float vj = __fadd_rn(__fmul_rn(b2, v[j]), __fmul_rn(__fmul_rn(__fsub_rn(1.0f, b2), g), g));
-  float w = param[j];
-  w = __fsub_rn(w, __fmul_rn(decay, w));
-  const float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn(vj, c2)), eps);
-  w = __fsub_rn(w, __fdiv_rn(__fmul_rn(lr, __fdiv_rn(mj, c1)), denom));
+  float w = param[j], mj = m[j], vj = v[j];
+  adamw_math(w, grad[j], mj, vj, lr, b1, b2, eps, decay, c1, c2, grad_scale);
   m[j] = mj;
   v[j] = vj;
   param[j] = w;

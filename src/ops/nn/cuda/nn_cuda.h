@@ -58,6 +58,10 @@ void gelu_tanh(const float* x, int64_t rows, int64_t cols, OutRows y, cudaStream
 // SwiGLU: y[r, i] = silu(gate_up[r, i]) * gate_up[r, I + i], i < I (gate_up rows [2 I], gate
 // first, dense).
 void swiglu(const float* gate_up, int64_t rows, int64_t I, OutRows y, cudaStream_t stream);
+// The same with gate_up of gate_up_type (f32, or bf16: the lineage trainer keeps its MLP
+// pre-activations in bf16); fp32 arithmetic either way.
+void swiglu(const void* gate_up, ElementType gate_up_type, int64_t rows, int64_t I, OutRows y,
+            cudaStream_t stream);
 
 // Causal depthwise short conv + SiLU over T tokens (prefill, or T = 1 for a decode step),
 // exactly ops::short_conv_silu_forward: x [T, C] with stride x_stride, weight [C, W] fp32 (W in

@@ -1,7 +1,10 @@
 // AdamW over a fixed set of tensors in three launches (instead of three per tensor): the squared
 // gradient norm by chunks (fp64, a fixed order), the clipping factor in one block, then the
 // update by chunks, which reads the factor from device memory, so the host never waits between
-// them. Chunks are slices of one tensor (kChunk elements at most); a block per chunk.
+// them. Chunks are slices of one tensor (kChunk elements at most); a block per chunk. Both
+// passes are bound by memory: a tensor whose arrays allow it is read and written 4 elements at a
+// time (the few elements past the last multiple of 4 one at a time), each thread loading kUnroll
+// vectors before it uses them, so that many loads are in flight.
 #include <cmath>
 #include <string>
 #include <vector>
@@ -15,7 +18,9 @@ namespace {
 using namespace nn_detail;
 
 constexpr int kThreads = 256;
-constexpr int64_t kChunk = int64_t(1) << 16;
+constexpr int kUnroll = 2;  // 4-element vectors per array per thread and round
+constexpr int64_t kChunk = int64_t(1) << 15;
+static_assert(kChunk % 4 == 0, "a chunk of an aligned tensor must start 16-byte aligned");
 
 struct Slot {
   float* param;
@@ -25,6 +30,7 @@ struct Slot {
   __nv_bfloat16* copy;  // null: no compute copy
   int64_t n;
   int decay;  // 1: weight decay applies
+  int vec4;   // 1: every array allows 4-element accesses (16 bytes; the copy 8)
 };
 
 struct Chunk {
@@ -38,12 +44,40 @@ struct NormResult {
   int finite;   // 0: nothing is updated
 };
 
-__global__ void chunk_squares_kernel(const Slot* slots, const Chunk* chunks, double* partials) {
+// The end of a chunk's 4-wide part (begin is a multiple of 4, as kChunk is; none when the
+// tensor's arrays are not aligned for it).
+__device__ __forceinline__ int64_t vector_end(const Slot& t, const Chunk& c) {
+  return t.vec4 ? c.begin + (c.end - c.begin) / 4 * 4 : c.begin;
+}
+
+// Each thread sums its elements' squares in a fixed order (its vectors in index order, then its
+// tail elements), then the block adds the threads' sums in a fixed tree.
+__global__ void __launch_bounds__(kThreads)
+    chunk_squares_kernel(const Slot* slots, const Chunk* chunks, double* partials) {
   __shared__ double shared[kThreads];
   const Chunk c = chunks[blockIdx.x];
-  const float* g = slots[c.slot].grad;
+  const Slot t = slots[c.slot];
+  const float* g = t.grad;
+  const int64_t vend = vector_end(t, c);
   double s = 0.0;
-  for (int64_t i = c.begin + threadIdx.x; i < c.end; i += kThreads) {
+  constexpr int64_t kRound = int64_t(4) * kThreads * kUnroll;
+  for (int64_t base = c.begin + int64_t(threadIdx.x) * 4; base < vend; base += kRound) {
+    Vec<4> a[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + u * 4 * kThreads < vend) a[u] = load_vec<4>(g + base + u * 4 * kThreads);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u * 4 * kThreads < vend) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const double x = a[u].v[k];
+          s += x * x;
+        }
+      }
+    }
+  }
+  for (int64_t i = vend + threadIdx.x; i < c.end; i += kThreads) {
     const double x = g[i];
     s += x * x;
   }
@@ -66,15 +100,48 @@ __global__ void norm_clip_kernel(const double* partials, int64_t chunks, float c
   }
 }
 
-__global__ void chunk_adamw_kernel(const Slot* slots, const Chunk* chunks, const NormResult* norm,
-                                   float lr, float b1, float b2, float eps, float weight_decay,
-                                   float c1, float c2) {
+// Block b updates chunk (chunks - 1 - b): the last chunks the norm pass read are the ones most
+// likely still in L2 when this pass starts. Every element goes through adamw_math, as
+// adamw_step's kernel, so the two agree bit for bit.
+__global__ void __launch_bounds__(kThreads)
+    chunk_adamw_kernel(const Slot* slots, const Chunk* chunks, int64_t num_chunks,
+                       const NormResult* norm, float lr, float b1, float b2, float eps,
+                       float weight_decay, float c1, float c2) {
   if (!norm->finite) return;
   const float clip = norm->clip;
-  const Chunk c = chunks[blockIdx.x];
+  const Chunk c = chunks[num_chunks - 1 - int64_t(blockIdx.x)];
   const Slot t = slots[c.slot];
   const float decay = t.decay ? __fmul_rn(lr, weight_decay) : 0.0f;
-  for (int64_t j = c.begin + threadIdx.x; j < c.end; j += kThreads) {
+  const int64_t vend = vector_end(t, c);
+  constexpr int64_t kRound = int64_t(4) * kThreads * kUnroll;
+  for (int64_t base = c.begin + int64_t(threadIdx.x) * 4; base < vend; base += kRound) {
+    Vec<4> w[kUnroll], g[kUnroll], m[kUnroll], v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t j = base + u * 4 * kThreads;
+      if (j < vend) {
+        w[u] = load_vec<4>(t.param + j);
+        g[u] = load_vec<4>(t.grad + j);
+        m[u] = load_vec<4>(t.m + j);
+        v[u] = load_vec<4>(t.v + j);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t j = base + u * 4 * kThreads;
+      if (j < vend) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          adamw_math(w[u].v[k], g[u].v[k], m[u].v[k], v[u].v[k], lr, b1, b2, eps, decay, c1, c2,
+                     clip);
+        store_vec<4>(t.param + j, w[u]);
+        store_vec<4>(t.m + j, m[u]);
+        store_vec<4>(t.v + j, v[u]);
+        if (t.copy) store_vec<4>(t.copy + j, w[u]);
+      }
+    }
+  }
+  for (int64_t j = vend + threadIdx.x; j < c.end; j += kThreads) {
     const float w =
         adamw_update(t.param, t.grad, t.m, t.v, j, lr, b1, b2, eps, decay, c1, c2, clip);
     if (t.copy) t.copy[j] = __float2bfloat16_rn(w);
@@ -91,8 +158,11 @@ AdamWMultiTensor::AdamWMultiTensor(const std::vector<AdamWTensor>& tensors) {
     require(t.n == 0 || (t.param && t.grad && t.m && t.v), "cuda::AdamWMultiTensor: null pointer");
     require(int64_t(slots.size()) < (int64_t(1) << 31), "cuda::AdamWMultiTensor: too many tensors");
     const int32_t index = int32_t(slots.size());
+    const bool vec4 = aligned_for(t.param, 4, 4) && aligned_for(t.grad, 4, 4) &&
+                      aligned_for(t.m, 4, 4) && aligned_for(t.v, 4, 4) &&
+                      aligned_for(t.bf16_copy, 4, 2);
     slots.push_back(Slot{t.param, t.grad, t.m, t.v, static_cast<__nv_bfloat16*>(t.bf16_copy), t.n,
-                         t.decay ? 1 : 0});
+                         t.decay ? 1 : 0, vec4 ? 1 : 0});
     for (int64_t b = 0; b < t.n; b += kChunk)
       chunks.push_back(Chunk{index, b, std::min(t.n, b + kChunk)});
   }
@@ -129,9 +199,9 @@ void AdamWMultiTensor::step(const AdamWHyper& hyper, int64_t step, float clip_no
   // The bias corrections as the CPU computes them (float pow of the step).
   const float c1 = 1.0f - std::pow(hyper.beta1, float(step));
   const float c2 = 1.0f - std::pow(hyper.beta2, float(step));
-  chunk_adamw_kernel<<<blocks, kThreads, 0, stream>>>(slots, chunks, result, hyper.lr, hyper.beta1,
-                                                      hyper.beta2, hyper.eps, hyper.weight_decay,
-                                                      c1, c2);
+  chunk_adamw_kernel<<<blocks, kThreads, 0, stream>>>(slots, chunks, num_chunks_, result, hyper.lr,
+                                                      hyper.beta1, hyper.beta2, hyper.eps,
+                                                      hyper.weight_decay, c1, c2);
   check_launch(what);
 }
 

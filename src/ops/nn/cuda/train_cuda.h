@@ -34,10 +34,12 @@ void rms_norm_forward_train(const float* x, int64_t rows, int64_t D, const float
 
 // dx ([rows, D]: overwritten, or added to with accumulate_dx, the residual stream's add) and dw
 // (ACCUMULATED, [D]) of rms_norm_forward_train, given dy and the kept inv_rms. dx may alias dy
-// only when overwritten.
+// only when overwritten. When dx_bf16 is not null it receives the final dx (after the add)
+// rounded to bf16 (round to nearest even, what convert gives), [rows, D] dense: the next GEMM's
+// input without a separate cast; it must not overlap x, dy or dx.
 void rms_norm_backward(const float* x, const float* dy, int64_t rows, int64_t D, const float* w,
                        const float* inv_rms, float* dx, float* dw, TrainScratch& scratch,
-                       cudaStream_t stream, bool accumulate_dx = false);
+                       cudaStream_t stream, bool accumulate_dx = false, void* dx_bf16 = nullptr);
 
 // GPT-2's LayerNorm backward (mean and rstd recomputed from x with eps, as the forward):
 // dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dy w, written (accumulate_dx false) or
@@ -58,6 +60,12 @@ void swiglu_backward(const float* gate_up, const float* dh, int64_t rows, int64_
 // not alias gate_up).
 void swiglu_backward(const float* gate_up, const float* dh, int64_t rows, int64_t I,
                      void* d_gate_up, ElementType d_type, cudaStream_t stream);
+// The general form: gate_up, dh and d_gate_up each fp32 or bf16 (the lineage trainer keeps its
+// MLP pre-activations and d(act) in bf16), fp32 arithmetic; d_gate_up may alias gate_up only
+// when both have the same type, and must not overlap dh.
+void swiglu_backward(const void* gate_up, ElementType gate_up_type, const void* dh,
+                     ElementType dh_type, int64_t rows, int64_t I, void* d_gate_up,
+                     ElementType d_type, cudaStream_t stream);
 
 // dtable[ids[r], :] += dy[r, :] (dtable [vocab, D]; ids int32 on the device). Rows are sorted
 // by id (a stable radix sort), then each used table row adds its rows in row order, so the

@@ -28,10 +28,11 @@ __global__ void gelu_tanh_backward_kernel(const float* x, const float* dy, int64
   }
 }
 
-// VW consecutive columns per thread and step (VW = 4 needs I % 4 == 0 and aligned arrays).
-template <class OutT, int VW>
-__global__ void swiglu_backward_kernel(const float* gate_up, const float* dh, int64_t rows,
-                                       int64_t I, OutT* d_gate_up) {
+// VW consecutive columns per thread and step (VW = 4 needs I % 4 == 0 and aligned arrays). Each
+// array fp32 or bf16 (InT, GradT, OutT); arithmetic fp32.
+template <class InT, class GradT, class OutT, int VW>
+__global__ void swiglu_backward_kernel(const InT* gate_up, const GradT* dh, int64_t rows, int64_t I,
+                                       OutT* d_gate_up) {
   const int64_t n = rows * I / VW;
   const int64_t step = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
@@ -85,26 +86,42 @@ void gelu_tanh_backward(const float* x, const float* dy, int64_t n, float* dx,
   check_launch("cuda::gelu_tanh_backward");
 }
 
-void swiglu_backward(const float* gate_up, const float* dh, int64_t rows, int64_t I,
-                     void* d_gate_up, ElementType d_type, cudaStream_t stream) {
+void swiglu_backward(const void* gate_up, ElementType gate_up_type, const void* dh,
+                     ElementType dh_type, int64_t rows, int64_t I, void* d_gate_up,
+                     ElementType d_type, cudaStream_t stream) {
   require(rows >= 0 && I >= 1, "cuda::swiglu_backward: sizes must be positive");
   if (rows == 0) return;
   require(gate_up && dh && d_gate_up, "cuda::swiglu_backward: null pointer");
-  require(d_type == ElementType::f32 || d_gate_up != gate_up,
-          "cuda::swiglu_backward: bf16 gradients cannot overwrite the fp32 gate_up");
-  const bool vector = I % 4 == 0 && aligned_for(gate_up, 4, 4) && aligned_for(dh, 4, 4) &&
+  require(d_type == gate_up_type || d_gate_up != gate_up,
+          "cuda::swiglu_backward: gradients of another type cannot overwrite gate_up");
+  const bool vector = I % 4 == 0 && aligned_for(gate_up, 4, element_bytes(gate_up_type)) &&
+                      aligned_for(dh, 4, element_bytes(dh_type)) &&
                       aligned_for(d_gate_up, 4, element_bytes(d_type));
-  dispatch_type(d_type, [&](auto* tag) {
-    using OutT = std::remove_pointer_t<decltype(tag)>;
-    auto* out = static_cast<OutT*>(d_gate_up);
-    if (vector)
-      swiglu_backward_kernel<OutT, 4>
-          <<<grid_for(rows * I / 4, kThreads), kThreads, 0, stream>>>(gate_up, dh, rows, I, out);
-    else
-      swiglu_backward_kernel<OutT, 1>
-          <<<grid_for(rows * I, kThreads), kThreads, 0, stream>>>(gate_up, dh, rows, I, out);
+  dispatch_type(gate_up_type, [&](auto* in_tag) {
+    using InT = std::remove_pointer_t<decltype(in_tag)>;
+    dispatch_type(dh_type, [&](auto* grad_tag) {
+      using GradT = std::remove_pointer_t<decltype(grad_tag)>;
+      dispatch_type(d_type, [&](auto* tag) {
+        using OutT = std::remove_pointer_t<decltype(tag)>;
+        const auto* in = static_cast<const InT*>(gate_up);
+        const auto* grad = static_cast<const GradT*>(dh);
+        auto* out = static_cast<OutT*>(d_gate_up);
+        if (vector)
+          swiglu_backward_kernel<InT, GradT, OutT, 4>
+              <<<grid_for(rows * I / 4, kThreads), kThreads, 0, stream>>>(in, grad, rows, I, out);
+        else
+          swiglu_backward_kernel<InT, GradT, OutT, 1>
+              <<<grid_for(rows * I, kThreads), kThreads, 0, stream>>>(in, grad, rows, I, out);
+      });
+    });
   });
   check_launch("cuda::swiglu_backward");
+}
+
+void swiglu_backward(const float* gate_up, const float* dh, int64_t rows, int64_t I,
+                     void* d_gate_up, ElementType d_type, cudaStream_t stream) {
+  swiglu_backward(gate_up, ElementType::f32, dh, ElementType::f32, rows, I, d_gate_up, d_type,
+                  stream);
 }
 
 void swiglu_backward(const float* gate_up, const float* dh, int64_t rows, int64_t I,

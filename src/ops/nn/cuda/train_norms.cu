@@ -1,8 +1,11 @@
 // Training norms on the GPU: RMSNorm forward (keeping inv_rms) and backward, LayerNorm backward.
 // dx: a warp or a block per row (nn_common.cuh's row teams). The weight gradients are sums over
 // rows, done without atomics so they are the same bits every run: the rows are cut into fixed
-// chunks, a thread per column sums its chunk in row order into partials [chunks, D], and a
-// second kernel adds the chunks in chunk order into dw.
+// chunks, each chunk's column sums (in a fixed order) go to partials [chunks, D], and a second
+// kernel adds the chunks in a fixed order into dw. The RMSNorm backward of rows up to 1024 wide
+// (4-aligned) does dx and its chunk's dw partials in one pass over x and dy (a block per chunk,
+// a warp per row, the row held in registers), the memory-bound floor: x and dy read once, dx
+// written (and read when accumulated), its optional bf16 copy written.
 #include <string>
 #include <type_traits>
 
@@ -51,8 +54,8 @@ __global__ void rms_norm_train_kernel(const float* x, int64_t rows, int64_t D, c
 
 template <int kTeam, int V>
 __global__ void rms_norm_dx_kernel(const float* x, const float* dy, int64_t rows, int64_t D,
-                                   const float* w, const float* inv_rms, float* dx,
-                                   bool accumulate) {
+                                   const float* w, const float* inv_rms, float* dx, bool accumulate,
+                                   __nv_bfloat16* dx_bf16) {
   __shared__ float scratch[32];
   int64_t row;
   int lane;
@@ -85,6 +88,100 @@ __global__ void rms_norm_dx_kernel(const float* x, const float* dy, int64_t rows
       for (int k = 0; k < V; ++k) o.v[k] += old.v[k];
     }
     store_vec<V>(dxr + i, o);
+    if (dx_bf16) store_vec<V>(dx_bf16 + row * D + i, o);
+  }
+}
+
+// ---- the fused RMSNorm backward: dx and the dw partials in one pass ----
+
+constexpr int kFusedWarps = 8;  // rows in flight per block (a warp per row)
+
+// Rows per chunk of the fused kernel: a multiple of kFusedWarps, ~256 chunks for many rows (one
+// wave of blocks on an H100/H200); a function of rows only, so the dw order never changes.
+int64_t fused_rows_per_chunk(int64_t rows) {
+  return std::max<int64_t>(kFusedWarps, ceil_div(ceil_div(rows, 256), kFusedWarps) * kFusedWarps);
+}
+
+// Block b: rows [b * rows_per_chunk, +rows_per_chunk); warp w takes rows w, w + kFusedWarps, ...
+// of the chunk. Lane l holds columns 4 (32 k + l) .. +3 for k < NV (D <= 128 NV, D % 4 == 0) of
+// its row in registers: the dot product (summed in the generic kernel's order), then dx (and
+// its bf16 copy) is written and dy x inv_rms is added to the lane's column sums.
+// The block's warps then add their column sums in warp order into partials[b, :]. The old dx of
+// an accumulated row is loaded with x and dy where the registers allow it (NV <= 6; 128 a
+// thread, two blocks an SM), else just before it is needed.
+template <int NV>
+__global__ void __launch_bounds__(kFusedWarps * 32, 2)
+    rms_norm_backward_fused_kernel(const float* x, const float* dy, int64_t rows, int64_t D,
+                                   const float* w, const float* inv_rms, float* dx, bool accumulate,
+                                   __nv_bfloat16* dx_bf16, int64_t rows_per_chunk,
+                                   float* partials) {
+  __shared__ float4 warp_sums[kFusedWarps][NV * 32];
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int64_t first = int64_t(blockIdx.x) * rows_per_chunk;
+  const int64_t end = std::min(rows, first + rows_per_chunk);
+  constexpr bool kOldEarly = NV <= 6;
+  Vec<4> acc[NV];
+#pragma unroll
+  for (int k = 0; k < NV; ++k) acc[k] = Vec<4>{{0.0f, 0.0f, 0.0f, 0.0f}};
+  for (int64_t row = first + warp; row < end; row += kFusedWarps) {
+    const float* xr = x + row * D;
+    const float* dyr = dy + row * D;
+    float* dxr = dx + row * D;
+    Vec<4> a[NV], d[NV], old[NV];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int64_t col = int64_t(k * 32 + lane) * 4;
+      if (col < D) {
+        a[k] = load_vec<4>(xr + col);
+        d[k] = load_vec<4>(dyr + col);
+        if (kOldEarly && accumulate) old[k] = load_vec<4>(dxr + col);
+      }
+    }
+    const float inv = inv_rms[row];
+    float dot = 0.0f;  // sum_i dy_i w_i x_i
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int64_t col = int64_t(k * 32 + lane) * 4;
+      if (col < D) {
+        const Vec<4> g = load_vec<4>(w + col);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) dot += d[k].v[i] * g.v[i] * a[k].v[i];
+      }
+    }
+    dot = warp_sum(dot);
+    const float c = dot / float(D) * inv * inv * inv;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int64_t col = int64_t(k * 32 + lane) * 4;
+      if (col < D) {
+        const Vec<4> g = load_vec<4>(w + col);
+        if (!kOldEarly && accumulate) old[k] = load_vec<4>(dxr + col);
+        Vec<4> o;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          o.v[i] = d[k].v[i] * g.v[i] * inv - a[k].v[i] * c;
+          if (accumulate) o.v[i] += old[k].v[i];  // the residual stream's add, fused
+          acc[k].v[i] += d[k].v[i] * a[k].v[i] * inv;
+        }
+        store_vec<4>(dxr + col, o);
+        if (dx_bf16) store_vec<4>(dx_bf16 + row * D + col, o);
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < NV; ++k)
+    warp_sums[warp][k * 32 + lane] =
+        make_float4(acc[k].v[0], acc[k].v[1], acc[k].v[2], acc[k].v[3]);
+  __syncthreads();
+  float* out = partials + int64_t(blockIdx.x) * D;
+  for (int64_t j = threadIdx.x; j * 4 < D; j += blockDim.x) {
+    float4 s = warp_sums[0][j];
+#pragma unroll
+    for (int v = 1; v < kFusedWarps; ++v) {
+      const float4 t = warp_sums[v][j];
+      s.x += t.x, s.y += t.y, s.z += t.z, s.w += t.w;
+    }
+    *reinterpret_cast<float4*>(out + j * 4) = s;
   }
 }
 
@@ -149,6 +246,15 @@ __global__ void layer_norm_dx_kernel(const float* x, const float* dy, int64_t ro
   }
 }
 
+// Calls fn(Int<NV>{}) with NV = nv for nv in 1..8 (the fused kernel's float4s per lane).
+template <int NV = 1, class Fn>
+void with_vectors_per_lane(int64_t nv, Fn&& fn) {
+  if constexpr (NV < 8) {
+    if (nv > NV) return with_vectors_per_lane<NV + 1>(nv, fn);
+  }
+  fn(Int<NV>{});
+}
+
 // ---- weight gradients: column sums over rows, in a fixed order ----
 
 constexpr int kColumnThreads = 256;
@@ -185,14 +291,38 @@ __global__ void column_partials_kernel(int64_t rows, int64_t D, int64_t rows_per
   for (int k = 0; k < kOuts; ++k) out[k * D + col] = acc[k];
 }
 
-// out[col] += sum over chunks (in order) of partials[chunk * stride + col].
-__global__ void reduce_partials_kernel(const float* partials, int64_t stride, int64_t chunks,
-                                       int64_t D, float* out) {
-  const int64_t col = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (col >= D) return;
+// out[col] += sum over chunks of partials[chunk * stride + col], in a fixed order: a block per
+// 32 columns (a lane per column), warp w sums chunks w, w + kReduceWarps, ... in order, then the
+// warps' sums are added in warp order. (Many warps per column keep enough loads in flight.)
+constexpr int kReduceWarps = 16;
+
+__global__ void __launch_bounds__(kReduceWarps * 32)
+    reduce_partials_kernel(const float* partials, int64_t stride, int64_t chunks, int64_t D,
+                           float* out) {
+  __shared__ float sums[kReduceWarps][32];
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int64_t col = int64_t(blockIdx.x) * 32 + lane;
   float s = 0.0f;
-  for (int64_t c = 0; c < chunks; ++c) s += partials[c * stride + col];
-  out[col] += s;
+  if (col < D) {
+#pragma unroll 4
+    for (int64_t c = warp; c < chunks; c += kReduceWarps) s += partials[c * stride + col];
+  }
+  sums[warp][lane] = s;
+  __syncthreads();
+  if (warp == 0 && col < D) {
+    float total = sums[0][lane];
+#pragma unroll
+    for (int v = 1; v < kReduceWarps; ++v) total += sums[v][lane];
+    out[col] += total;
+  }
+}
+
+// Adds the chunks of partials (chunk stride `stride`) into out[D].
+void reduce_partials(const float* partials, int64_t stride, int64_t chunks, int64_t D, float* out,
+                     cudaStream_t stream, const char* what) {
+  reduce_partials_kernel<<<unsigned(ceil_div(D, 32)), kReduceWarps * 32, 0, stream>>>(
+      partials, stride, chunks, D, out);
+  check_launch(what);
 }
 
 struct RmsDwTerm {
@@ -225,11 +355,8 @@ void column_sums(int64_t rows, int64_t D, const Op& op, float* const (&outs)[kOu
   column_partials_kernel<kOuts>
       <<<grid, kColumnThreads, 0, stream>>>(rows, D, p.rows_per_chunk, op, partials);
   check_launch(what);
-  for (int k = 0; k < kOuts; ++k) {
-    reduce_partials_kernel<<<unsigned(p.column_blocks), kColumnThreads, 0, stream>>>(
-        partials + k * D, kOuts * D, p.chunks, D, outs[k]);
-    check_launch(what);
-  }
+  for (int k = 0; k < kOuts; ++k)
+    reduce_partials(partials + k * D, kOuts * D, p.chunks, D, outs[k], stream, what);
 }
 
 void require_rows(int64_t rows, int64_t D, const char* what) {
@@ -260,20 +387,37 @@ void rms_norm_forward_train(const float* x, int64_t rows, int64_t D, const float
 
 void rms_norm_backward(const float* x, const float* dy, int64_t rows, int64_t D, const float* w,
                        const float* inv_rms, float* dx, float* dw, TrainScratch& scratch,
-                       cudaStream_t stream, bool accumulate_dx) {
+                       cudaStream_t stream, bool accumulate_dx, void* dx_bf16) {
   require_rows(rows, D, "cuda::rms_norm_backward");
   if (rows == 0) return;
   require(x && dy && w && inv_rms && dx && dw, "cuda::rms_norm_backward: null pointer");
   require(!accumulate_dx || dx != dy,
           "cuda::rms_norm_backward: dx may not alias dy when accumulating");
+  auto* copy = static_cast<__nv_bfloat16*>(dx_bf16);
+  const bool vec4 = D % 4 == 0 && aligned_for(x, 4, 4) && aligned_for(dy, 4, 4) &&
+                    aligned_for(w, 4, 4) && aligned_for(dx, 4, 4) && aligned_for(copy, 4, 2);
+  if (vec4 && D <= 1024) {
+    // one pass: each row is read into registers before its dx overwrites it (dx may alias dy)
+    const int64_t rows_per_chunk = fused_rows_per_chunk(rows);
+    const int64_t chunks = ceil_div(rows, rows_per_chunk);
+    scratch.partials.reserve(size_t(chunks * D) * sizeof(float));
+    float* partials = scratch.partials.as<float>();
+    const auto launch = [&](auto nv) {  // nv: float4s per lane
+      rms_norm_backward_fused_kernel<decltype(nv)::value>
+          <<<unsigned(chunks), kFusedWarps * 32, 0, stream>>>(
+              x, dy, rows, D, w, inv_rms, dx, accumulate_dx, copy, rows_per_chunk, partials);
+    };
+    with_vectors_per_lane(ceil_div(D, 128), launch);
+    check_launch("cuda::rms_norm_backward (dx, dw partials)");
+    reduce_partials(partials, D, chunks, D, dw, stream, "cuda::rms_norm_backward (dw)");
+    return;
+  }
   // dw reads dy: it runs first, so dx may overwrite dy.
   column_sums<1>(rows, D, RmsDwTerm{x, dy, inv_rms, D}, {dw}, scratch, stream,
                  "cuda::rms_norm_backward (dw)");
-  const bool vec4 = D % 4 == 0 && aligned_for(x, 4, 4) && aligned_for(dy, 4, 4) &&
-                    aligned_for(w, 4, 4) && aligned_for(dx, 4, 4);
   for_rows(rows, D, vec4, [&](auto team, auto vec, dim3 grid, dim3 block) {
     rms_norm_dx_kernel<decltype(team)::value, decltype(vec)::value>
-        <<<grid, block, 0, stream>>>(x, dy, rows, D, w, inv_rms, dx, accumulate_dx);
+        <<<grid, block, 0, stream>>>(x, dy, rows, D, w, inv_rms, dx, accumulate_dx, copy);
   });
   check_launch("cuda::rms_norm_backward (dx)");
 }
