@@ -378,6 +378,41 @@ void run_batched_case(const BatchShape& c, ElementType type, Tally& tally) {
   same("dq", batched.dq, single.dq, type, dq_n, dq_n);
   same("dk", batched.dk, single.dk, type, dkv_n, dkv_n);
   same("dv", batched.dv, single.dv, type, dkv_n, dkv_n);
+
+  // The same batched backward with the gradients as column blocks of one packed row
+  // [dq | dk | dv | 8 unused] (AttentionGradLayout): equal to the dense ones, the gap untouched.
+  const int64_t Wg = W + 8;
+  DeviceBuffer packed(size_t(B * T * Wg) * e);
+  poison(packed.data(), packed.bytes());
+  {
+    char* g = static_cast<char*>(packed.data());
+    DeviceBuffer bwd_ws(cu::attention_backward_workspace_bytes(all));
+    cu::attention_backward(all, all.lse, d_o.data(), g, g + size_t(c.Hq * D) * e,
+                           g + size_t((c.Hq + c.Hkv) * D) * e, bwd_ws.data(), bwd_ws.bytes(),
+                           nullptr,
+                           {.dq_row_stride = Wg, .dk_row_stride = Wg, .dv_row_stride = Wg});
+    cu::check_cuda(cudaDeviceSynchronize(), "attention_bwd check (packed gradients)");
+  }
+  const std::vector<double> rows = from_device(packed.data(), size_t(B * T * Wg), type);
+  const auto column_block = [&](int64_t col0, int64_t width) {
+    std::vector<double> out;
+    for (int64_t r = 0; r < B * T; ++r)
+      out.insert(out.end(), rows.begin() + r * Wg + col0, rows.begin() + r * Wg + col0 + width);
+    return out;
+  };
+  const auto dense = [&](const DeviceBuffer& x, int64_t n) {
+    return from_device(x.data(), size_t(B * n), type);
+  };
+  report(
+      tally, "attention_bwd dq, dk, dv packed in one row" + tag + " == dense",
+      std::max({rel_error(column_block(0, c.Hq * D), dense(batched.dq, dq_n)),
+                rel_error(column_block(c.Hq * D, c.Hkv * D), dense(batched.dk, dkv_n)),
+                rel_error(column_block((c.Hq + c.Hkv) * D, c.Hkv * D), dense(batched.dv, dkv_n))}),
+      0.0);
+  const std::vector<double> gap = column_block(W, 8);
+  report(tally, "attention_bwd packed gradients leave the row's gap alone" + tag,
+         std::all_of(gap.begin(), gap.end(), [](double x) { return std::isnan(x); }) ? 0.0 : 1.0,
+         0.0);
 }
 
 // The backward workspace holds per-row lse2 / D_i for every sequence: batch 3 needs 3x.

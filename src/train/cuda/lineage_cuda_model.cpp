@@ -139,10 +139,14 @@ void LineageCudaModel::ensure_activations(int64_t R) {
       p.latn_c = bf(R * m.latent);
       p.o32 = f32(R * inner);
       p.lse = f32(R * H);
+    } else if (L.kind == MixerKind::softmax) {
+      // one GEMM into bf16 rows [q | k | v] (read in place by the attention kernels), from
+      // [Wq; Wk; Wv] (the compute copies side by side, copied by each forward)
+      p.qkv_c = bf(R * 3 * inner);
+      p.wqkv_c = bf(3 * inner * d);
     } else {
-      // softmax layers project straight into bf16 q / k / v; the others keep fp32 projections
-      // (the short convolutions' and fp32 kernels' input)
-      if (L.kind != MixerKind::softmax) p.qkv32 = f32(R * 3 * inner);
+      // fp32 projections (the short convolutions' and fp32 kernels' input), bf16 q / k / v
+      p.qkv32 = f32(R * 3 * inner);
       p.q_c = bf(R * inner);
       p.k_c = bf(R * inner);
       p.v_c = bf(R * inner);
@@ -195,6 +199,9 @@ void LineageCudaModel::ensure_activations(int64_t R) {
   a->dq_c = bf(R * inner);
   a->dk_c = bf(R * inner);
   a->dv_c = bf(R * inner);
+  if (std::any_of(layers_.begin(), layers_.end(),
+                  [](const Layer& L) { return L.kind == MixerKind::softmax; }))
+    a->dqkv_c = bf(R * 3 * inner);  // softmax layers: [dq | dk | dv] rows, one GEMM back
   a->dg_c = bf(R * inner);
   a->db_c = bf(R * H);
   a->dA = f32(H);
@@ -230,9 +237,10 @@ ops::cuda::AttentionArgs LineageCudaModel::attention_args(const PerLayer& P, int
   args.Tq = args.Tk = len;
   args.Hq = args.Hkv = H;
   args.Dk = args.Dv = dh;
-  args.q = offset(P.q_c, r0 * inner, 2);
-  args.k = offset(P.k_c, r0 * inner, 2);
-  args.v = offset(P.v_c, r0 * inner, 2);
+  args.q = offset(P.qkv_c, r0 * 3 * inner, 2);  // rows [q | k | v]
+  args.k = offset(P.qkv_c, r0 * 3 * inner + inner, 2);
+  args.v = offset(P.qkv_c, r0 * 3 * inner + 2 * inner, 2);
+  args.q_row_stride = args.k_row_stride = args.v_row_stride = 3 * inner;
   args.o = offset<float>(P.o32, r0 * inner, 4);
   args.lse = offset<float>(P.lse, r0 * H, 4);
   args.batch = batch;
@@ -299,14 +307,14 @@ void LineageCudaModel::mixer_forward(Layer& L, int64_t l, int64_t B, int64_t T) 
   const int32_t* positions = a.positions.as<int32_t>();
   const Entry* Wqkv[3] = {L.Wq, L.Wk, L.Wv};
   DeviceBuffer* qkv_c[3] = {&P.q_c, &P.k_c, &P.v_c};
-  if (L.kind == MixerKind::softmax) {  // bf16 q, k, v straight from the GEMMs, RoPE in place
+  if (L.kind == MixerKind::softmax) {  // bf16 [q | k | v] rows from one GEMM, RoPE in place
     for (int j = 0; j < 3; ++j)
-      gemm.linear(kBf16, R, inner, d, {P.a_c.data(), d}, {Wqkv[j]->compute(), d},
-                  {qkv_c[j]->data(), kBf16});
+      copy_device(offset(P.wqkv_c, j * inner * d, 2), Wqkv[j]->compute(), size_t(inner * d) * 2, s);
+    gemm.linear(kBf16, R, 3 * inner, d, {P.a_c.data(), d}, {P.wqkv_c.data(), d},
+                {P.qkv_c.data(), kBf16});
     engines_->timer.mark(s, "f.qkv_gemm");
-    if (L.rope)
-      for (int j = 0; j < 2; ++j)
-        k::rotary_embedding(qkv_c[j]->data(), kBf16, positions, R, H, dh, 0, +1, s);
+    if (L.rope)  // q and k side by side: 2 H heads a row
+      k::rotary_embedding(P.qkv_c.data(), kBf16, positions, R, 2 * H, dh, 3 * inner, +1, s);
     engines_->timer.mark(s, "f.rope_cast");
     for_each_attention(B, T, cu_seqlens_, [&](int64_t r0, int64_t len, int64_t batch) {
       const k::AttentionArgs args = attention_args(P, H, dh, r0, len, batch);
@@ -395,20 +403,21 @@ void LineageCudaModel::mixer_backward(Layer& L, int64_t l, int64_t B, int64_t T)
     engines_->timer.mark(s, "b.other");
     for_each_attention(B, T, cu_seqlens_, [&](int64_t r0, int64_t len, int64_t batch) {
       const k::AttentionArgs args = attention_args(P, H, dh, r0, len, batch);
-      k::attention_backward(args, args.lse, offset(a.do_c, r0 * inner, 2),
-                            offset(a.dq_c, r0 * inner, 2), offset(a.dk_c, r0 * inner, 2),
-                            offset(a.dv_c, r0 * inner, 2), a.workspace.data(), a.workspace.bytes(),
-                            s);
+      const int64_t row = r0 * 3 * inner, w = 3 * inner;  // rows [dq | dk | dv]
+      k::attention_backward(args, args.lse, offset(a.do_c, r0 * inner, 2), offset(a.dqkv_c, row, 2),
+                            offset(a.dqkv_c, row + inner, 2), offset(a.dqkv_c, row + 2 * inner, 2),
+                            a.workspace.data(), a.workspace.bytes(), s,
+                            {.dq_row_stride = w, .dk_row_stride = w, .dv_row_stride = w});
     });
     engines_->timer.mark(s, "b.attention");
-    if (L.rope) {  // the gradient rotates back
-      k::rotary_embedding(a.dq_c.data(), kBf16, positions, R, H, dh, 0, -1, s);
-      k::rotary_embedding(a.dk_c.data(), kBf16, positions, R, H, dh, 0, -1, s);
-    }
-    const DeviceBuffer* dqkv[3] = {&a.dq_c, &a.dk_c, &a.dv_c};
+    if (L.rope)  // the gradient rotates back (dq and dk side by side: 2 H heads a row)
+      k::rotary_embedding(a.dqkv_c.data(), kBf16, positions, R, 2 * H, dh, 3 * inner, -1, s);
+    // the three weight gradients, then one product back through [Wq; Wk; Wv] (K = 3 inner)
     for (int j = 0; j < 3; ++j)
-      linear_backward(gemm, wgrad, R, d, inner, dqkv[j]->data(), inner, P.a_c.data(), d, *Wqkv[j],
-                      {dan, kF32}, j > 0);
+      wgrad.weight_gradient(kBf16, R, inner, d, offset(a.dqkv_c, j * inner, 2), 3 * inner,
+                            P.a_c.data(), d, Wqkv[j]->g(), 1.f);
+    gemm.matmul(kBf16, R, d, 3 * inner, {a.dqkv_c.data(), 3 * inner}, {P.wqkv_c.data(), d},
+                {dan, kF32});
     engines_->timer.mark(s, "b.qkv_gemm");
     return;
   }

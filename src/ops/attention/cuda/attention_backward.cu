@@ -75,8 +75,14 @@ size_t attention_backward_workspace_bytes(const AttentionArgs& args) {
 
 void attention_backward(const AttentionArgs& args, const float* lse, const void* d_o, void* dq,
                         void* dk, void* dv, void* workspace, size_t workspace_bytes,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, const AttentionGradLayout& layout) {
   validate_sizes(args);
+  check(layout.dq_row_stride == 0 || layout.dq_row_stride >= args.Hq * args.Dk,
+        "layout.dq_row_stride must be 0 or >= Hq * Dk");
+  check(layout.dk_row_stride == 0 || layout.dk_row_stride >= args.Hkv * args.Dk,
+        "layout.dk_row_stride must be 0 or >= Hkv * Dk");
+  check(layout.dv_row_stride == 0 || layout.dv_row_stride >= args.Hkv * args.Dv,
+        "layout.dv_row_stride must be 0 or >= Hkv * Dv");
   check(args.q != nullptr && args.k != nullptr && args.v != nullptr && args.o != nullptr,
         "args.q, k, v and o (the forward's output) must be device pointers (got null)");
   check(lse != nullptr && d_o != nullptr, "lse and d_o must be device pointers (got null)");
@@ -103,6 +109,9 @@ void attention_backward(const AttentionArgs& args, const float* lse, const void*
   p.q_stride = args.q_row_stride ? args.q_row_stride : args.Hq * args.Dk;
   p.k_stride = args.k_row_stride ? args.k_row_stride : args.Hkv * args.Dk;
   p.v_stride = args.v_row_stride ? args.v_row_stride : args.Hkv * args.Dv;
+  p.dq_stride = layout.dq_row_stride ? layout.dq_row_stride : args.Hq * args.Dk;
+  p.dk_stride = layout.dk_row_stride ? layout.dk_row_stride : args.Hkv * args.Dk;
+  p.dv_stride = layout.dv_row_stride ? layout.dv_row_stride : args.Hkv * args.Dv;
   p.q_bstride = args.q_batch_stride ? args.q_batch_stride : args.Tq * p.q_stride;
   p.k_bstride = args.k_batch_stride ? args.k_batch_stride : args.Tk * p.k_stride;
   p.v_bstride = args.v_batch_stride ? args.v_batch_stride : args.Tk * p.v_stride;

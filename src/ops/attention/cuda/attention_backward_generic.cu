@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(32 * kWarps)
   const int kvh = h / p.group;
   const int Dk = p.Dk, Dv = p.Dv;
   const int64_t b = blockIdx.z;                // the sequence
-  const int64_t brow = b * p.Tq * p.Hq + row;  // row of the dense d_o / dq of the batch
+  const int64_t brow = b * p.Tq * p.Hq + row;  // row of the dense d_o of the batch
 
   const T* qrow = static_cast<const T*>(p.q) + b * p.q_bstride + t * p.q_stride + int64_t(h) * Dk;
   const T* dorow = static_cast<const T*>(p.d_o) + brow * Dv;
@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(32 * kWarps)
 #pragma unroll
     for (int i = 0; i < kQChunks; ++i) acc[i] = fmaf(ds, kv[i], acc[i]);
   }
-  T* out = static_cast<T*>(p.dq) + brow * Dk;
+  T* out = static_cast<T*>(p.dq) + (b * p.Tq + t) * p.dq_stride + int64_t(h) * Dk;
 #pragma unroll
   for (int i = 0; i < kQChunks; ++i) {
     const int d = lane + 32 * i;
@@ -190,9 +190,8 @@ __global__ void __launch_bounds__(32 * kWarps)
       for (int i = 0; i < kVChunks; ++i) dv[i] = fmaf(pj, dov[i], dv[i]);
     }
   }
-  const int64_t bkrow = b * p.Tk * p.Hkv + krow_index;  // row of the dense dk / dv of the batch
-  T* dkrow = static_cast<T*>(p.dk) + bkrow * Dk;
-  T* dvrow = static_cast<T*>(p.dv) + bkrow * Dv;
+  T* dkrow = static_cast<T*>(p.dk) + (b * p.Tk + j) * p.dk_stride + int64_t(kvh) * Dk;
+  T* dvrow = static_cast<T*>(p.dv) + (b * p.Tk + j) * p.dv_stride + int64_t(kvh) * Dv;
 #pragma unroll
   for (int i = 0; i < kQChunks; ++i) {
     const int d = lane + 32 * i;

@@ -7,7 +7,7 @@
 // against every key and the tensor-core kernels can copy whole 16-byte chunks of them.
 // Batch: every kernel runs sequence b = blockIdx.z; q, k, v, o and lse at the batch strides
 // below, d_o, dq, dk, dv dense per sequence (b * Tq * Hq * Dv, ...), lse2 / delta at
-// b * Hq * Tq_pad. The pointers below are those of sequence 0.
+// b * Hq * Tq_pad (dq, dk, dv at their row strides). The pointers below are those of sequence 0.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -24,12 +24,14 @@ struct AttentionBwdParams {
   const float* o = nullptr;                          // [Tq, Hq, Dv] fp32 (the forward's output)
   const float* lse = nullptr;                        // [Tq, Hq] natural log (the forward's)
   const void* d_o = nullptr;                         // [Tq, Hq, Dv] dense
-  void* dq = nullptr;                                // [Tq, Hq, Dk] dense
-  void* dk = nullptr;                                // [Tk, Hkv, Dk] dense
-  void* dv = nullptr;                                // [Tk, Hkv, Dv] dense
+  void* dq = nullptr;                                // [Tq, Hq, Dk] at dq_stride
+  void* dk = nullptr;                                // [Tk, Hkv, Dk] at dk_stride
+  void* dv = nullptr;                                // [Tk, Hkv, Dv] at dv_stride
   float* lse2 = nullptr;                             // workspace [batch][Hq][Tq_pad]
   float* delta = nullptr;                            // workspace [batch][Hq][Tq_pad]
   int64_t q_stride = 0, k_stride = 0, v_stride = 0;  // elements between tokens
+  // elements between tokens of dq, dk, dv (sequence b starts b Tq or b Tk tokens in)
+  int64_t dq_stride = 0, dk_stride = 0, dv_stride = 0;
   // Elements between sequences (resolved, never 0): q, k, v in their type, o and lse in floats.
   int64_t q_bstride = 0, k_bstride = 0, v_bstride = 0, o_bstride = 0, lse_bstride = 0;
   int batch = 1;

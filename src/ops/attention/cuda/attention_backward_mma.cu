@@ -271,11 +271,11 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(AttentionB
 
   // Rows of this warp: keys key0 + warp * 16 + (g, g + 8); zeros where no query saw the block.
   const int warp_rows = keys_valid - warp * 16;
-  const int64_t out_row0 = (b * p.Tk + key0 + warp * 16) * p.Hkv + kvh;
-  store_rows<DKP>(static_cast<bf16*>(p.dk) + out_row0 * Dk, int64_t(p.Hkv) * Dk, warp_rows, Dk, dk,
-                  p.scale, lane);
-  store_rows<DVP>(static_cast<bf16*>(p.dv) + out_row0 * Dv, int64_t(p.Hkv) * Dv, warp_rows, Dv, dv,
-                  1.f, lane);
+  const int64_t out_token0 = b * p.Tk + key0 + warp * 16;
+  store_rows<DKP>(static_cast<bf16*>(p.dk) + out_token0 * p.dk_stride + int64_t(kvh) * Dk,
+                  p.dk_stride, warp_rows, Dk, dk, p.scale, lane);
+  store_rows<DVP>(static_cast<bf16*>(p.dv) + out_token0 * p.dv_stride + int64_t(kvh) * Dv,
+                  p.dv_stride, warp_rows, Dv, dv, 1.f, lane);
 }
 
 // MT: m16 query tiles per warp. MT = 2 (32 rows a warp, 128 a block) makes every K fragment
@@ -463,9 +463,9 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(AttentionBwd
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     const int row0 = warp_row0 + 16 * mt;
-    const int64_t out_row0 = (b * p.Tq + q0 + row0) * p.Hq + h;
-    store_rows<DKP>(static_cast<bf16*>(p.dq) + out_row0 * Dk, int64_t(p.Hq) * Dk,
-                    int(q_rows) - row0, Dk, dq[mt], p.scale, lane);
+    const int64_t out_token0 = b * p.Tq + q0 + row0;
+    store_rows<DKP>(static_cast<bf16*>(p.dq) + out_token0 * p.dq_stride + int64_t(h) * Dk,
+                    p.dq_stride, int(q_rows) - row0, Dk, dq[mt], p.scale, lane);
   }
 }
 
@@ -511,7 +511,8 @@ bool launch(const AttentionBwdParams& p, cudaStream_t stream) {
 bool launch_attention_bwd_mma(const AttentionBwdParams& p, cudaStream_t stream) {
   if (p.Dk % 8 != 0 || p.Dv % 8 != 0 || p.Dk > 128 || p.Dv > 128) return false;
   if (p.q_stride % 8 != 0 || p.k_stride % 8 != 0 || p.v_stride % 8 != 0) return false;
-  // Dense d_o / dq / dk / dv of later sequences stay aligned (Dk, Dv multiples of 8).
+  if (p.dq_stride % 8 != 0 || p.dk_stride % 8 != 0 || p.dv_stride % 8 != 0) return false;
+  // d_o (dense) and dq / dk / dv of later sequences stay aligned (Dk, Dv, strides multiples of 8).
   if (p.batch > 1 && (p.q_bstride % 8 != 0 || p.k_bstride % 8 != 0 || p.v_bstride % 8 != 0))
     return false;
   for (const void* ptr : {p.q, p.k, p.v, p.d_o, static_cast<const void*>(p.dq),

@@ -78,8 +78,10 @@ void attention_forward(const AttentionArgs& args, void* workspace, size_t worksp
 // v, o and lse of sequence b are read at the batch strides of `args` as in the forward
 // (lse_batch_stride applies to the `lse` argument). d_o is args.dtype [batch, Tq, Hq, Dv] dense;
 // dq [batch, Tq, Hq, Dk], dk [batch, Tk, Hkv, Dk], dv [batch, Tk, Hkv, Dv] are args.dtype,
-// dense, every element written (keys no query sees get 0). dk and dv sum over the query heads
-// of their KV head in a fixed order: the result is deterministic (no atomics), and each
+// dense unless `layout` gives their row strides (e.g. the three column blocks of one
+// [tokens, q | k | v] buffer, so that one GEMM takes them back through a fused projection),
+// every element of their rows written (keys no query sees get 0). dk and dv sum over the query
+// heads of their KV head in a fixed order: the result is deterministic (no atomics), and each
 // sequence's gradients are bit-identical to a call for that sequence alone.
 // Paths: bf16 with Dk, Dv <= 128 (multiples of 8, 16-byte aligned arrays and strides) runs two
 // tensor-core kernels (dk/dv over key tiles, dq over query tiles); everything else a plain
@@ -87,8 +89,13 @@ void attention_forward(const AttentionArgs& args, void* workspace, size_t worksp
 // Workspace: 2 batch Hq roundup(Tq, 64) floats (lse in log2 units and D_i). args.lse is not
 // read.
 size_t attention_backward_workspace_bytes(const AttentionArgs& args);
+// Elements between tokens of dq, dk, dv (0: dense, Hq Dk / Hkv Dk / Hkv Dv); sequence b of a
+// batch starts b Tq (dq) or b Tk (dk, dv) tokens in.
+struct AttentionGradLayout {
+  int64_t dq_row_stride = 0, dk_row_stride = 0, dv_row_stride = 0;
+};
 void attention_backward(const AttentionArgs& args, const float* lse, const void* d_o, void* dq,
                         void* dk, void* dv, void* workspace, size_t workspace_bytes,
-                        cudaStream_t stream);
+                        cudaStream_t stream, const AttentionGradLayout& layout = {});
 
 }  // namespace kda::ops::cuda
