@@ -1,12 +1,14 @@
 // kda_gpu_check: correctness of the CUDA delta-rule kernels against the float64 CPU reference,
 // then timings on the production shapes. Run on the GPU machine (scripts/gpu_run.sh).
 //
-//   kda_gpu_check [--check] [--bench] [--out FILE]
+//   kda_gpu_check [--check] [--bench] [--decode] [--out FILE]
 //
 // --check: chunked forward (bf16 tensor-core path and fp32 path), KDA / Gated DeltaNet /
 //   DeltaNet, T = 1, 63, 64, 65, 2047, packed varlen with a length-1 sequence, grouped value
 //   heads, K = V = 64 and 128, initial and final states; decode step by step against the float64
-//   recurrence and against the chunked prefill. Relative RMS error ||x - ref|| / ||ref||.
+//   recurrence and against the chunked prefill, and single decode steps from random states in
+//   scrambled slots (B = 1, 16, 128), each with both decode kernels (tile, head). Relative RMS
+//   error ||x - ref|| / ||ref||.
 //   Also: two-tile chunk_state blocks (many heads), the pipelined forward (long sequences), and
 //   the KDA layer's in-kernel options (l2norm, gate activation, sigmoid beta) against
 //   kda_reference, and their backward (raw q, k, v, graw, braw, A_log, dt_bias, h0) against the
@@ -15,11 +17,16 @@
 //   Chunked backward (bf16): dq, dk, dv, dg, dbeta, dh0 against the CPU fp32 chunked backward
 //   (delta_rule_chunk_backward, verified to 1e-7 against float64) on the same bf16-rounded
 //   inputs; tolerances fla's: 8e-3 (dq, dk, dv, dh0), 2e-2 (dg, dbeta).
+// --decode: --check and --bench restricted to decode (its checks; the ceilings and decode rows).
 // --small: one small forward and backward case (for compute-sanitizer).
 // --bench: copy bandwidth and cuBLAS bf16 GEMM ceilings, chunked forward (KDA, GDN; KDA also
 //   with the layer options) at H = 32, K = V = 128 for 8x2048, 2x8192, 1x65536, forward +
 //   backward on the same shapes (KDA also with the layer options), and decode for B = 1, 16,
-//   64, 128. KDA_BENCH_ONLY=kda: the KDA chunked rows alone.
+//   64, 128: the automatic choice, the tile and the head kernel, and the same-size ceilings
+//   (decode_state_copy: the step's state bytes copied in place; cudaMemcpyAsync of as many
+//   bytes), all over slot sets rotating through a 2 GiB pool (no L2 reuse between calls).
+//   KDA_BENCH_ONLY=kda: the KDA chunked rows alone. KDA_DECODE_OVERLAP=1: decode steps (and the
+//   in-place copy) with programmatic dependent launch.
 //   Results go to FILE as tab-separated lines (read by bench/gpu/fla_bench.py).
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -546,10 +553,14 @@ void check_kda_layer_backward(int64_t B, int64_t T, int64_t H, int64_t HV, int64
   report(name, "dh0", rel_rms(download(dh0.ptr, rh0.size(), f32), wide(rh0)), 8e-3);
 }
 
+const char* kernel_name(cuda::DecodeKernel k) {
+  return k == cuda::DecodeKernel::tile ? "tile" : k == cuda::DecodeKernel::head ? "head" : "auto";
+}
+
 // Prefill (chunked) the prompts into scattered slots of a pool, decode D tokens step by step,
 // compare against the float64 recurrence and against one chunked pass over prompt + decoded.
 void check_decode(Gate gate, int64_t H, int64_t HV, int64_t K, int64_t V, ElementType t,
-                  uint64_t seed) {
+                  uint64_t seed, cuda::DecodeKernel kernel = cuda::DecodeKernel::automatic) {
   const std::vector<int64_t> prompt = {1, 63, 64, 130, 7};
   const int64_t N = int64_t(prompt.size()), D = 4;
   std::vector<int64_t> cu_full = {0}, cu_prompt = {0};
@@ -627,6 +638,7 @@ void check_decode(Gate gate, int64_t H, int64_t HV, int64_t K, int64_t V, Elemen
     a.slots = slots_dev.as<int32_t>();
     a.num_slots = slots_n;
     a.o = o.ptr;
+    a.kernel = kernel;
     cuda::decode_step(a, nullptr);
     ck(cudaDeviceSynchronize(), "decode");
     const auto od = download(o.ptr, N * HV * V, t);
@@ -651,9 +663,9 @@ void check_decode(Gate gate, int64_t H, int64_t HV, int64_t K, int64_t V, Elemen
                             pool_host.begin() + (sl + 1) * state);
   }
   char name[160];
-  std::snprintf(name, sizeof name, "decode %s %s H%lld HV%lld K%lld V%lld x%lld steps",
-                gate_name(gate), t == ElementType::bf16 ? "bf16" : "fp32", (long long)H,
-                (long long)HV, (long long)K, (long long)V, (long long)D);
+  std::snprintf(name, sizeof name, "decode %s %s %s H%lld HV%lld K%lld V%lld x%lld steps",
+                kernel_name(kernel), gate_name(gate), t == ElementType::bf16 ? "bf16" : "fp32",
+                (long long)H, (long long)HV, (long long)K, (long long)V, (long long)D);
   const double tol = t == ElementType::bf16 ? 5e-3 : 1e-4;
   report(std::string(name) + " vs f64", "o", rel_rms(dec_o, ref_o), tol);
   report(std::string(name) + " vs f64", "ht", rel_rms(dec_ht, ref.ht), tol);
@@ -662,7 +674,103 @@ void check_decode(Gate gate, int64_t H, int64_t HV, int64_t K, int64_t V, Elemen
   report(std::string(name) + " other slots", "==", rel_rms(untouched_now, untouched_before), 0.0);
 }
 
+// One decode step for B sequences from random states in scrambled slots of a pool (noise in
+// the other slots) against the float64 recurrence: o, the updated states, and the untouched
+// slots bit for bit. Covers both decode kernels at the production head count.
+void check_decode_step(Gate gate, int64_t B, int64_t H, int64_t HV, int64_t K, ElementType t,
+                       cuda::DecodeKernel kernel, uint64_t seed) {
+  const int64_t V = 128;
+  const DeltaRuleShape s{B, 1, H, HV, K, V, gate, 0};
+  const Inputs in = make_inputs(s, {}, true, seed);
+  const Uploaded u = upload_all(in, t);
+  const Reference ref =
+      reference(in, u.q.rounded, u.k.rounded, u.v.rounded,
+                in.g.empty() ? std::vector<double>{} : u.g.rounded, u.beta.rounded, u.h0_rounded);
+  // B of 2B + 3 slots, in shuffled order
+  const int64_t slots_n = 2 * B + 3, state = HV * K * V;
+  Random rng(seed + 7);
+  std::vector<int32_t> order(slots_n);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng.engine());
+  const std::vector<int32_t> slot(order.begin(), order.begin() + B);
+  std::vector<float> pool_host(slots_n * state);
+  rng.fill_normal(pool_host);
+  for (int64_t b = 0; b < B; ++b)
+    std::copy(in.h0.begin() + b * state, in.h0.begin() + (b + 1) * state,
+              pool_host.begin() + slot[b] * state);
+  DeviceBuffer pool(pool_host.size() * 4), slots_dev(B * 4);
+  ck(cudaMemcpy(pool.ptr, pool_host.data(), pool.bytes, cudaMemcpyHostToDevice), "pool");
+  ck(cudaMemcpy(slots_dev.ptr, slot.data(), B * 4, cudaMemcpyHostToDevice), "slots");
+  DeviceBuffer o(B * HV * V * (t == ElementType::bf16 ? 2 : 4));
+  poison(o);
+  cuda::DecodeArgs a;
+  a.shape = s;
+  a.dtype = t;
+  a.q = u.q.device.ptr, a.k = u.k.device.ptr, a.v = u.v.device.ptr;
+  a.g = in.g.empty() ? nullptr : u.g.device.ptr;
+  a.beta = u.beta.device.ptr;
+  a.state_pool = pool.as<float>();
+  a.slots = slots_dev.as<int32_t>();
+  a.num_slots = slots_n;
+  a.o = o.ptr;
+  a.kernel = kernel;
+  cuda::decode_step(a, nullptr);
+  ck(cudaDeviceSynchronize(), "decode step");
+  const auto pool_after = download(pool.ptr, slots_n * state, ElementType::f32);
+  std::vector<double> ht, untouched_now, untouched_before;
+  for (int64_t b = 0; b < B; ++b)
+    ht.insert(ht.end(), pool_after.begin() + slot[b] * state,
+              pool_after.begin() + (slot[b] + 1) * state);
+  for (int64_t sl = B; sl < slots_n; ++sl) {
+    const int64_t at = order[sl];
+    untouched_now.insert(untouched_now.end(), pool_after.begin() + at * state,
+                         pool_after.begin() + (at + 1) * state);
+    untouched_before.insert(untouched_before.end(), pool_host.begin() + at * state,
+                            pool_host.begin() + (at + 1) * state);
+  }
+  char name[160];
+  std::snprintf(name, sizeof name, "decode step %s %s %s B%lld H%lld HV%lld K%lld",
+                kernel_name(kernel), gate_name(gate), t == ElementType::bf16 ? "bf16" : "fp32",
+                (long long)B, (long long)H, (long long)HV, (long long)K);
+  report(name, "o", rel_rms(download(o.ptr, B * HV * V, t), ref.o),
+         t == ElementType::bf16 ? 5e-3 : 1e-5);
+  report(name, "ht", rel_rms(ht, ref.ht), 1e-5);
+  report(name, "==", rel_rms(untouched_now, untouched_before), 0.0);
+}
+
+// --decode: --check runs run_decode_checks() alone, --bench the ceilings and decode rows alone.
+bool g_decode_only = false;
+
+// Decode against the float64 recurrence (own seeds): D steps after a chunked prefill into
+// scattered slots (both kernels on the same inputs; grouped value heads), and one step from
+// random states in scrambled slots for both kernels: B = 1, 16 (H = 32), 128 (grouped value
+// heads), fp32 inputs, K = 64 and 32, DeltaNet.
+void run_decode_checks() {
+  const auto bf = ElementType::bf16, f32 = ElementType::f32;
+  const auto tile = cuda::DecodeKernel::tile, head = cuda::DecodeKernel::head;
+  uint64_t ds = 7000;
+  for (Gate gate : {Gate::channel, Gate::scalar}) {
+    for (auto kernel : {tile, head}) {
+      check_decode(gate, 2, 4, 128, 128, bf, ds + 1, kernel);
+      check_decode_step(gate, 1, 32, 32, 128, bf, kernel, ds + 2);
+      check_decode_step(gate, 16, 32, 32, 128, bf, kernel, ds + 3);
+      check_decode_step(gate, 128, 2, 4, 128, bf, kernel, ds + 4);
+      check_decode_step(gate, 16, 32, 32, 128, f32, kernel, ds + 5);
+      check_decode_step(gate, 9, 2, 4, 64, f32, kernel, ds + 6);
+    }
+    check_decode(gate, 2, 4, 64, 64, f32, ds + 7);  // V = 64: the tile kernel
+    ds += 10;
+  }
+  check_decode_step(Gate::channel, 5, 2, 4, 32, bf, head, ++ds);
+  check_decode_step(Gate::none, 16, 4, 8, 128, bf, head, ++ds);
+  check_decode_step(Gate::none, 16, 4, 8, 128, bf, tile, ds);
+}
+
 void run_checks() {
+  if (g_decode_only) {
+    run_decode_checks();
+    return;
+  }
   const auto bf = ElementType::bf16, f32 = ElementType::f32;
   uint64_t seed = 1000;
   const std::vector<int64_t> varlen = {0, 1, 64, 129, 200, 521};  // includes a length-1 sequence
@@ -694,9 +802,9 @@ void run_checks() {
     check_forward(gate, 2, 65, 2, 4, 128, 128, {}, true, f32, false, ++seed);
     check_forward(gate, 1, 2047, 1, 2, 64, 64, {}, true, f32, false, ++seed);
     check_forward(gate, 1, 521, 2, 4, 128, 128, varlen, true, f32, false, ++seed);
-    check_decode(gate, 2, 4, 128, 128, bf, ++seed);
-    check_decode(gate, 2, 4, 64, 64, f32, ++seed);
+    seed += 2;  // the decode checks' former seeds (run_decode_checks): keeps the inputs below
   }
+  run_decode_checks();
   check_forward(Gate::none, 2, 130, 2, 2, 128, 128, {}, true, bf, false, ++seed);
   check_forward(Gate::none, 2, 130, 2, 2, 64, 64, {}, true, f32, false, ++seed);
   // enough sequences x heads for chunk_state's two-tile blocks (NT = 2, the production path)
@@ -735,6 +843,8 @@ void run_small() {
   check_kda_layer_backward(1, 70, 1, 2, 64, 64, {}, true, true, true, KdaGate::lower_bound, 16);
   check_kda_layer_backward(1, 70, 1, 1, 128, 128, {}, true, true, true, KdaGate::softplus, 17);
   check_decode(Gate::channel, 1, 2, 64, 64, ElementType::bf16, 12);
+  // the decode head kernel (bulk copy, mbarrier, shared-memory reductions), grouped heads
+  check_decode_step(Gate::channel, 3, 1, 2, 128, ElementType::bf16, cuda::DecodeKernel::head, 18);
   // the pipelined forward (32 chunks: 8 pieces), KDA and the Gated DeltaNet raw q / k path
   check_forward(Gate::channel, 1, 2048, 1, 1, 64, 64, {}, true, ElementType::bf16, false, 13);
   check_forward(Gate::scalar, 1, 2048, 1, 1, 64, 64, {}, true, ElementType::bf16, false, 14);
@@ -896,10 +1006,13 @@ void run_bench(const std::string& out_path) {
   struct Shape {
     int64_t B, T;
   };
-  // Kernel-lab knob: KDA_BENCH_ONLY=kda times the KDA chunked rows alone (no GDN, no decode)
+  // Kernel-lab knob: KDA_BENCH_ONLY=kda times the KDA chunked rows alone (no GDN, no decode);
+  // KDA_BENCH_ONLY=decode (or --decode) the decode rows alone
   const char* only = std::getenv("KDA_BENCH_ONLY");
   const bool kda_only = only && std::strcmp(only, "kda") == 0;
+  const bool decode_only = g_decode_only || (only && std::strcmp(only, "decode") == 0);
   for (Gate gate : {Gate::channel, Gate::scalar}) {
+    if (decode_only) break;
     if (kda_only && gate != Gate::channel) continue;
     for (Shape sh : {Shape{8, 2048}, Shape{2, 8192}, Shape{1, 65536}}) {
       DeltaRuleShape s{sh.B, sh.T, H, H, K, V, gate, 0};
@@ -1057,14 +1170,21 @@ void run_bench(const std::string& out_path) {
     }
   }
 
-  // Decode: pool of 1024 slots (2 GiB at H = 32), each rep uses a different random set of slots.
+  // Decode: pool of 1024 slots (2 GiB at H = 32); each call uses the next of `sets` random slot
+  // sets, with sets x B slots >= 128 (256 MB of states, ~5x the H200's 50 MB L2), so no call
+  // finds the states it reads in L2. Beside both kernels, the same-size ceilings measured the
+  // same way: decode_state_copy (the step's exact state bytes, same slots, read and written in
+  // place by a plain copy kernel) and a cudaMemcpyAsync of the same byte count between blocks
+  // rotating over the pool; the faster of the two is the ceiling. "warm": one slot set for every
+  // call (B <= 16: the states may stay in L2 between calls: what L2 reuse would flatter). Until
+  // v18 the rows used 16 rotating sets for every B (B = 1: only 32 MB, partly L2-resident).
   for (Gate gate : {Gate::channel, Gate::scalar}) {
     if (kda_only) break;
     const int64_t slots_n = 1024;
     DeviceBuffer pool(size_t(slots_n) * H * K * V * 4);
     ck(cudaMemset(pool.ptr, 0, pool.bytes), "pool");
     for (int64_t B : {1, 16, 64, 128}) {
-      const int sets = 16;
+      const int sets = int(std::max<int64_t>(16, (128 + B - 1) / B));
       std::vector<int32_t> slots(size_t(sets) * B);
       Random rng(77 + B);
       for (int si = 0; si < sets; ++si) {
@@ -1088,19 +1208,68 @@ void run_bench(const std::string& out_path) {
       a.q = q.ptr, a.k = k.ptr, a.v = v.ptr, a.g = g.ptr, a.beta = beta.ptr, a.o = o.ptr;
       a.state_pool = pool.as<float>();
       a.num_slots = slots_n;
-      const double ms = timer.median_ms(
-          [&](int rep) {
-            a.slots = slots_dev.as<int32_t>() + size_t(rep % sets) * B;
-            cuda::decode_step(a, nullptr);
+      auto time_rotating = [&](auto&& step) {
+        return timer.median_ms(
+            [&](int rep) {
+              a.slots = slots_dev.as<int32_t>() + size_t(rep % sets) * B;
+              step();
+            },
+            5, 30, 10);
+      };
+      auto time_warm = [&](auto&& step) {
+        a.slots = slots_dev.as<int32_t>();
+        return timer.median_ms([&](int) { step(); }, 5, 30, 10);
+      };
+      auto decode = [&] { cuda::decode_step(a, nullptr); };
+      a.kernel = cuda::DecodeKernel::automatic;
+      const double ms = time_rotating(decode);
+      a.kernel = cuda::DecodeKernel::tile;
+      const double tile_ms = time_rotating(decode), tile_warm_ms = time_warm(decode);
+      a.kernel = cuda::DecodeKernel::head;
+      const double head_ms = time_rotating(decode), head_warm_ms = time_warm(decode);
+      a.kernel = cuda::DecodeKernel::automatic;
+      const double copy_ms = time_rotating([&] { cuda::decode_state_copy(a, nullptr); });
+      const size_t state_bytes = size_t(B) * H * K * V * 4;
+      const size_t blocks = pool.bytes / state_bytes;  // >= 8
+      int memcpy_call = 0;
+      const double memcpy_ms = timer.median_ms(
+          [&](int) {
+            const size_t from = size_t(2 * memcpy_call) % blocks,
+                         to = size_t(2 * memcpy_call + 1) % blocks;
+            ++memcpy_call;
+            ck(cudaMemcpyAsync(static_cast<char*>(pool.ptr) + to * state_bytes,
+                               static_cast<char*>(pool.ptr) + from * state_bytes, state_bytes,
+                               cudaMemcpyDeviceToDevice),
+               "same-size copy");
           },
           5, 30, 10);
-      const double bytes = 2.0 * double(B) * H * K * V * 4;
-      const double tbs = bytes / (ms * 1e-3) / 1e12;
-      std::printf("BENCH decode %s B=%lld: %.4f ms, state %.2f TB/s = %.0f%% of copy\n",
-                  gate_name(gate), (long long)B, ms, tbs, 100 * tbs / copy_tbs);
+      const double bytes = 2.0 * double(state_bytes);
+      const double ceiling_ms = std::min(copy_ms, memcpy_ms);  // the faster same-size copy
+      auto tbs = [&](double t) { return bytes / (t * 1e-3) / 1e12; };
+      const std::pair<const char*, double> rows[] = {
+          {"auto", ms}, {"tile", tile_ms}, {"head", head_ms}};
+      for (const auto& [name, t] : rows)
+        std::printf(
+            "BENCH decode %s B=%lld %s: %.4f ms, state %.2f TB/s = %.0f%% of copy, %.0f%% of the "
+            "same-size copy\n",
+            gate_name(gate), (long long)B, name, t, tbs(t), 100 * tbs(t) / copy_tbs,
+            100 * ceiling_ms / t);
+      std::printf(
+          "BENCH decode %s B=%lld same-size copies (%.1f MB read + written; the faster is the "
+          "ceiling): in-place state copy %.4f ms (%.2f TB/s = %.0f%% of copy), cudaMemcpyAsync "
+          "%.4f ms (%.2f TB/s = %.0f%%); warm (one slot set): tile %.4f ms, head %.4f ms\n",
+          gate_name(gate), (long long)B, bytes / 2e6, copy_ms, tbs(copy_ms),
+          100 * tbs(copy_ms) / copy_tbs, memcpy_ms, tbs(memcpy_ms), 100 * tbs(memcpy_ms) / copy_tbs,
+          tile_warm_ms, head_warm_ms);
       std::fflush(stdout);
-      out << "decode_" << gate_name(gate) << "\tB" << B << "\t" << ms << "\t"
-          << bytes / (copy_tbs * 1e12) * 1e3 << "\n";
+      const double floor_ms = bytes / (copy_tbs * 1e12) * 1e3;
+      out << "decode_" << gate_name(gate) << "\tB" << B << "\t" << ms << "\t" << floor_ms << "\n";
+      out << "decode_" << gate_name(gate) << "_tile\tB" << B << "\t" << tile_ms << "\t" << floor_ms
+          << "\n";
+      out << "decode_" << gate_name(gate) << "_head\tB" << B << "\t" << head_ms << "\t" << floor_ms
+          << "\n";
+      if (gate == Gate::channel)
+        out << "decode_same_size_copy\tB" << B << "\t" << ceiling_ms << "\t" << floor_ms << "\n";
     }
   }
 }
@@ -1120,11 +1289,14 @@ int main(int argc, char** argv) {
       profile = true;
     else if (a == "--small")
       small = true;
+    else if (a == "--decode")
+      g_decode_only = true;
     else if (a == "--out" && i + 1 < argc)
       out_path = argv[++i];
     else {
       std::fprintf(stderr,
-                   "usage: kda_gpu_check [--check] [--small] [--bench] [--profile] [--out FILE]\n");
+                   "usage: kda_gpu_check [--check] [--small] [--bench] [--profile] [--decode] "
+                   "[--out FILE]\n");
       return 2;
     }
   }

@@ -120,6 +120,21 @@ size_t recurrent_forward_workspace_bytes(std::span<const int64_t> cu_seqlens);
 void recurrent_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void* workspace,
                        size_t workspace_bytes, cudaStream_t stream);
 
+// Which kernel runs a decode step (both give the same results up to fp32 summation order).
+enum class DecodeKernel {
+  // head when the tile kernel would need more than one wave of blocks (B * HV * V / 32 > 8 blocks
+  // per SM: B >= 9 at HV = 32, V = 128 on 132 SMs) and V = 128; tile otherwise. The kernel-lab
+  // knob KDA_DECODE_KERNEL=tile|head|auto overrides `automatic` (not an explicit choice).
+  automatic,
+  // one block of 128 threads per K x 32 column tile of a (sequence, value head) state, state in
+  // registers (many small blocks: best when there are few sequences)
+  tile,
+  // one block of 256 threads per (sequence, value head), V = 128 only: the first 64 rows of the
+  // state in registers, the rest (K = 128) brought into shared memory by one bulk copy; q, k and
+  // the gate loaded once per head, 4 blocks per SM (all 16 x 32 heads of B = 16 in one wave)
+  head,
+};
+
 // One decode step for shape.B sequences, one token each: q, k [B, H, K]; v [B, HV, V];
 // g [B, HV, K] or [B, HV]; beta [B, HV]; o [B, HV, V]. Sequence b reads and updates, in place,
 // the fp32 state state_pool[slots[b]] ([num_slots, HV, K, V]); `slots` is a device array of B
@@ -142,7 +157,15 @@ struct DecodeArgs {
   // kernels; it pays only when the kernel before also lets dependents start early (another
   // decode step does). Off by default.
   bool overlap_launch = false;
+  DecodeKernel kernel = DecodeKernel::automatic;
 };
 void decode_step(const DecodeArgs& args, cudaStream_t stream);
+
+// Kernel lab: the bandwidth ceiling of decode_step(args). Reads and writes back, in place and
+// unchanged, exactly the state bytes the step touches (state_pool[slots[b]] for every b: 2 x B x
+// HV x K x V x 4 bytes) with a plain streaming copy kernel (four 16-byte loads in flight per
+// thread, streaming stores), launched like the step (args.overlap_launch, KDA_DECODE_OVERLAP).
+// Only state_pool, slots, num_slots and shape (B, HV, K, V) are used.
+void decode_state_copy(const DecodeArgs& args, cudaStream_t stream);
 
 }  // namespace kda::ops::cuda

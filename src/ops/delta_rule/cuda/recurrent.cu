@@ -14,6 +14,18 @@
 // kernel on the stream (griddepcontrol.wait) before its first memory access and lets the next
 // one be scheduled as soon as every block has started, which hides the launch gap between
 // back-to-back steps.
+//
+// The decode step's head kernel (decode_head_kernel, V = 128) gives one block of 256 threads a
+// whole (sequence, value head) state: warp w owns rows [8w, 8w + 8) (registers) and, for
+// K = 128, rows 64 + [8w, 8w + 8) (shared memory, brought in by one 32 KB bulk copy issued at
+// block start); lane l owns columns 4l .. 4l + 3, so every warp-wide 16-byte access is one
+// contiguous 512-byte state row. q, k, the gate and v are loaded once per head (not once per
+// column tile) and staged in shared memory (k decay and q decay per row, so registers hold the
+// state and little else), one cross-warp reduction serves all 128 columns, and at 64 registers
+// and 44.6 KB of shared memory 4 blocks share an SM: the 512 heads of a B = 16, HV = 32 step
+// are all resident at once (one wave, every state byte requested at block start) where the tile
+// kernel (recurrent_kernel<DECODE>) needs 2048 blocks in 1.94 waves. The new state goes out
+// with streaming stores (st.global.cs). decode_step picks it by DecodeArgs::kernel.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -177,23 +189,310 @@ __global__ void __launch_bounds__(kThreads, DECODE ? 8 : 1)
   }
 }
 
-template <class Tin, Gate GATE, int K, bool DECODE>
-void launch_kernel(dim3 grid, const RecurrentParams& p, bool overlap, cudaStream_t stream) {
+// ---- the decode step's head kernel (see the top of the file) ----
+
+constexpr int kHeadThreads = 256;  // 8 warps
+constexpr int kHeadV = 128;        // 32 lanes x 4 columns
+
+template <int K>
+struct HeadLayout {
+  static constexpr int kRegRows = K < 64 ? K : 64;    // rows held in registers
+  static constexpr int kSmemRows = K - kRegRows;      // rows brought into shared memory
+  static constexpr int kRegPerWarp = kRegRows / 8;    // a thread's register rows
+  static constexpr int kSmemPerWarp = kSmemRows / 8;  // a thread's shared-memory rows
+};
+
+// mbarrier and bulk-copy primitives (sm_90), as in attention_decode_bulk.cu
+__device__ __forceinline__ void head_mbar_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(bar)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void head_bulk_load(void* smem, const void* gmem, uint32_t bytes,
+                                               uint64_t* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(smem_addr(smem)),
+      "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+__device__ __forceinline__ void head_mbar_wait(uint64_t* bar) {
+  const uint32_t addr = smem_addr(bar);
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(addr)
+        : "memory");
+  } while (!done);
+}
+// Streaming 16-byte store (evict-first: this step does not read the new state again). No
+// "memory" clobber, so loads of other addresses (shared-memory rows, the next row's k) may be
+// scheduled across it; callers never read back what they store.
+__device__ __forceinline__ void store4_streaming(float* p, const float v[4]) {
+  asm volatile("st.global.cs.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(v[0]), "f"(v[1]),
+               "f"(v[2]), "f"(v[3]));
+}
+
+template <class Tin, Gate GATE, int K>
+__global__ void __launch_bounds__(kHeadThreads, 4) decode_head_kernel(const RecurrentParams p) {
+  using L = HeadLayout<K>;
+  constexpr int V = kHeadV, RR = L::kRegPerWarp, RS = L::kSmemPerWarp;
+  static_assert(kHeadThreads == 2 * V && kHeadThreads == 8 * 32 && K <= kHeadThreads / 2,
+                "the reductions and the staging assume 8 warps, 2 x V threads, K <= 128");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // no-ops unless launched with programmatic stream serialization
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+  __shared__ alignas(128) float rows_smem[L::kSmemRows > 0 ? L::kSmemRows * V : 4];
+  __shared__ alignas(16) float part[2][8][V];  // [k^T P, q^T P][warp][column]
+  __shared__ alignas(16) float total[2][V];
+  __shared__ alignas(16) float v_s[V];
+  // per row: k, k * decay, q * decay, decay
+  __shared__ float k_s[K], kd_s[K], qd_s[K], decay_s[K];
+  __shared__ float part_qk[8], qk_total, beta_s;
+  __shared__ alignas(8) uint64_t bar;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int hv = blockIdx.x;
+  const int64_t n = blockIdx.y;
+  const int h = hv / (p.HV / p.H);
+  const int64_t state_index = p.slots ? int64_t(p.slots[n]) : n;
+  const size_t state_off = (size_t(state_index) * p.HV + hv) * size_t(K) * V;
+  const float* src = p.h_in + state_off;
+
+  // Every state byte is requested first: the shared-memory rows by one bulk copy, then the
+  // register rows (RR independent 16-byte loads per thread, one 512-byte row per warp each).
+  if constexpr (L::kSmemRows > 0) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (tid == 0) {
+      head_mbar_init(&bar);
+      head_bulk_load(rows_smem, src + size_t(L::kRegRows) * V, uint32_t(sizeof rows_smem), &bar);
+    }
+#else
+    for (int i = tid; i < L::kSmemRows * V / 4; i += kHeadThreads)
+      reinterpret_cast<float4*>(rows_smem)[i] =
+          reinterpret_cast<const float4*>(src + size_t(L::kRegRows) * V)[i];
+#endif
+  }
+  float s[RR][4];
+#pragma unroll
+  for (int r = 0; r < RR; ++r) load4(src + size_t(warp * RR + r) * V + lane * 4, s[r]);
+
+  // The token's vectors, staged in shared memory (registers are for the state): thread `row`
+  // < K takes q, k and the gate of its row (and q.k, summed per warp); the second half of the
+  // block takes v; thread 0 beta.
+  const size_t head = size_t(n) * p.HV + hv;
+  if (tid < K) {
+    const Tin* q = static_cast<const Tin*>(p.q);
+    const Tin* k = static_cast<const Tin*>(p.k);
+    const Tin* g = static_cast<const Tin*>(p.g);
+    const size_t qk_off = (size_t(n) * p.H + h) * K + tid;
+    const float qv = to_f32(q[qk_off]), kv = to_f32(k[qk_off]);
+    float decay = 1.f;
+    if constexpr (GATE == Gate::channel) decay = fast_exp2(to_f32(g[head * K + tid]) * kLog2e);
+    if constexpr (GATE == Gate::scalar) decay = fast_exp2(to_f32(g[head]) * kLog2e);
+    k_s[tid] = kv;
+    kd_s[tid] = kv * decay;
+    qd_s[tid] = qv * decay;
+    decay_s[tid] = decay;
+    float qk = qv * kv;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) qk += __shfl_xor_sync(0xffffffffu, qk, off);
+    if (lane == 0) part_qk[warp] = qk;
+    if (tid == 0) beta_s = to_f32(static_cast<const Tin*>(p.beta)[head]);
+  }
+  if (tid >= kHeadThreads / 2)
+    v_s[tid - kHeadThreads / 2] =
+        to_f32(static_cast<const Tin*>(p.v)[head * V + tid - kHeadThreads / 2]);
+  __syncthreads();  // the staged vectors (and the mbarrier's initialisation) visible
+
+  // Partial k^T P and q^T P over this warp's rows, P = diag(decay) S: (k decay)^T S.
+  float ak[4] = {0.f, 0.f, 0.f, 0.f}, aq[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int r = 0; r < RR; ++r) {
+    const int row = warp * RR + r;
+    const float kd = kd_s[row], qd = qd_s[row];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      ak[c] += kd * s[r][c];
+      aq[c] += qd * s[r][c];
+    }
+  }
+  if constexpr (RS > 0) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    head_mbar_wait(&bar);
+#endif
+#pragma unroll 2
+    for (int r = 0; r < RS; ++r) {
+      const int j = warp * RS + r, row = L::kRegRows + j;
+      const float kd = kd_s[row], qd = qd_s[row];
+      const float4 x = reinterpret_cast<const float4*>(rows_smem)[j * (V / 4) + lane];
+      ak[0] += kd * x.x, ak[1] += kd * x.y, ak[2] += kd * x.z, ak[3] += kd * x.w;
+      aq[0] += qd * x.x, aq[1] += qd * x.y, aq[2] += qd * x.z, aq[3] += qd * x.w;
+    }
+  }
+  // Cross-warp sums: thread t adds the 8 warps' partials of one (quantity, column).
+  reinterpret_cast<float4*>(part[0][warp])[lane] = make_float4(ak[0], ak[1], ak[2], ak[3]);
+  reinterpret_cast<float4*>(part[1][warp])[lane] = make_float4(aq[0], aq[1], aq[2], aq[3]);
+  __syncthreads();
+  {
+    const int which = tid / V, col = tid % V;
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) sum += part[which][w][col];
+    total[which][col] = sum;
+    if (tid == 0) {
+      float all = 0.f;
+#pragma unroll
+      for (int w = 0; w < K / 32; ++w) all += part_qk[w];
+      qk_total = all;
+    }
+  }
+  __syncthreads();
+
+  //   d = beta (v - P^T k),   o = scale (P^T q + (q.k) d),   S = P + k d^T (in place)
+  float d[4];
+  {
+    const float4 kp = reinterpret_cast<const float4*>(total[0])[lane];
+    const float4 v4 = reinterpret_cast<const float4*>(v_s)[lane];
+    const float b = beta_s;
+    d[0] = b * (v4.x - kp.x), d[1] = b * (v4.y - kp.y);
+    d[2] = b * (v4.z - kp.z), d[3] = b * (v4.w - kp.w);
+  }
+  if (warp == 0) {
+    const float4 qp = reinterpret_cast<const float4*>(total[1])[lane];
+    const float qk = qk_total;
+    const float out[4] = {p.scale * (qp.x + qk * d[0]), p.scale * (qp.y + qk * d[1]),
+                          p.scale * (qp.z + qk * d[2]), p.scale * (qp.w + qk * d[3])};
+    store4(static_cast<Tin*>(p.o) + head * V + lane * 4, out);
+  }
+  float* dst = p.h_out + state_off;
+#pragma unroll
+  for (int r = 0; r < RR; ++r) {
+    const int row = warp * RR + r;
+    const float kv = k_s[row], decay = decay_s[row];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) s[r][c] = s[r][c] * decay + kv * d[c];
+    store4_streaming(dst + size_t(row) * V + lane * 4, s[r]);
+  }
+#pragma unroll 2
+  for (int r = 0; r < RS; ++r) {
+    const int j = warp * RS + r, row = L::kRegRows + j;
+    const float kv = k_s[row], decay = decay_s[row];
+    const float4 x = reinterpret_cast<const float4*>(rows_smem)[j * (V / 4) + lane];
+    const float y[4] = {x.x * decay + kv * d[0], x.y * decay + kv * d[1], x.z * decay + kv * d[2],
+                        x.w * decay + kv * d[3]};
+    store4_streaming(dst + size_t(row) * V + lane * 4, y);
+  }
+}
+
+// ---- the decode step's bandwidth ceiling (decode_state_copy) ----
+
+// Grid-stride over 8 KB chunks (256 threads x two 16-byte vectors) of the B states, as many
+// blocks as fit at once: no wave quantisation (a B = 16 step is 4096 chunks over ~1056 blocks).
+constexpr int kCopyThreads = 256, kCopyPerThread = 2;
+
+__global__ void __launch_bounds__(kCopyThreads)
+    decode_state_copy_kernel(float* pool, const int32_t* slots, int64_t state_vecs,
+                             int64_t chunks_per_state, int64_t chunks) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+  for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+    const int64_t seq = c / chunks_per_state, part = c % chunks_per_state;
+    float* base = pool + int64_t(slots[seq]) * state_vecs * 4;
+    const int64_t first = part * kCopyThreads * kCopyPerThread + threadIdx.x;
+    float x[kCopyPerThread][4];
+#pragma unroll
+    for (int j = 0; j < kCopyPerThread; ++j) {
+      const int64_t i = first + int64_t(j) * kCopyThreads;
+      if (i < state_vecs) load4(base + 4 * i, x[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < kCopyPerThread; ++j) {
+      const int64_t i = first + int64_t(j) * kCopyThreads;
+      if (i < state_vecs) store4_streaming(base + 4 * i, x[j]);  // asm volatile: never elided
+    }
+  }
+}
+
+// ---- launches ----
+
+template <class... Params, class... Args>
+void launch_maybe_overlapped(void (*kernel)(Params...), dim3 grid, int threads, bool overlap,
+                             cudaStream_t stream, Args... args) {
   if (!overlap) {
-    recurrent_kernel<Tin, GATE, K, DECODE><<<grid, kThreads, 0, stream>>>(p);
+    kernel<<<grid, threads, 0, stream>>>(args...);
     return;
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
-  cfg.blockDim = dim3(kThreads);
+  cfg.blockDim = dim3(unsigned(threads));
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  check_cuda(cudaLaunchKernelEx(&cfg, recurrent_kernel<Tin, GATE, K, DECODE>, p),
-             "delta rule decode launch");
+  check_cuda(cudaLaunchKernelEx(&cfg, kernel, args...), "delta rule decode launch");
+}
+
+template <class Tin, Gate GATE, int K, bool DECODE>
+void launch_kernel(dim3 grid, const RecurrentParams& p, bool overlap, cudaStream_t stream) {
+  launch_maybe_overlapped(recurrent_kernel<Tin, GATE, K, DECODE>, grid, kThreads, overlap, stream,
+                          p);
+}
+
+template <class Tin, Gate GATE, int K>
+void launch_head_kernel(dim3 grid, const RecurrentParams& p, bool overlap, cudaStream_t stream) {
+  const auto kernel = decode_head_kernel<Tin, GATE, K>;
+  // 4 blocks x 44.6 KB of static shared memory per SM: left to the driver, whose default
+  // carveout is sized to avoid a shared-memory occupancy limit (expected: 196 of the 228 KB,
+  // leaving 60 KB of L1 for the register rows' loads). Kernel-lab knob:
+  // KDA_DECODE_CARVEOUT=<percent> sets the preference instead (read once per instantiation).
+  static const bool configured = [&] {
+    if (const char* knob = std::getenv("KDA_DECODE_CARVEOUT"))
+      check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      std::atoi(knob)),
+                 "cudaFuncSetAttribute (decode_head_kernel carveout)");
+    return true;
+  }();
+  (void)configured;
+  launch_maybe_overlapped(kernel, grid, kHeadThreads, overlap, stream, p);
+}
+
+template <class Tin, Gate GATE>
+void launch_head_for_k(int K, dim3 grid, const RecurrentParams& p, bool overlap,
+                       cudaStream_t stream) {
+  if (K == 128)
+    launch_head_kernel<Tin, GATE, 128>(grid, p, overlap, stream);
+  else if (K == 64)
+    launch_head_kernel<Tin, GATE, 64>(grid, p, overlap, stream);
+  else
+    launch_head_kernel<Tin, GATE, 32>(grid, p, overlap, stream);
+}
+
+template <class Tin>
+void launch_head_for_gate(Gate gate, int K, dim3 grid, const RecurrentParams& p, bool overlap,
+                          cudaStream_t stream) {
+  switch (gate) {
+    case Gate::channel:
+      launch_head_for_k<Tin, Gate::channel>(K, grid, p, overlap, stream);
+      break;
+    case Gate::scalar:
+      launch_head_for_k<Tin, Gate::scalar>(K, grid, p, overlap, stream);
+      break;
+    case Gate::none:
+      launch_head_for_k<Tin, Gate::none>(K, grid, p, overlap, stream);
+      break;
+  }
 }
 
 template <class Tin, Gate GATE, bool DECODE>
@@ -285,6 +584,47 @@ void recurrent_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void
   launch_recurrent(s, in.dtype, N, p, stream);
 }
 
+namespace {
+
+bool decode_overlap(const DecodeArgs& a) {
+  // Kernel-lab knob: KDA_DECODE_OVERLAP=0|1 overrides DecodeArgs::overlap_launch (timing only).
+  if (const char* knob = std::getenv("KDA_DECODE_OVERLAP")) return knob[0] == '1';
+  return a.overlap_launch;
+}
+
+int multiprocessors() {
+  int device = 0, count = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device),
+             "cudaDeviceGetAttribute (multiprocessors)");
+  return count;
+}
+
+bool use_head_kernel(const DecodeArgs& a, const DeltaRuleShape& s) {
+  DecodeKernel kernel = a.kernel;
+  if (kernel == DecodeKernel::automatic) {
+    // Kernel-lab knob: KDA_DECODE_KERNEL=tile|head|auto replaces `automatic` (timing only).
+    if (const char* knob = std::getenv("KDA_DECODE_KERNEL")) {
+      if (std::strcmp(knob, "tile") == 0) kernel = DecodeKernel::tile;
+      if (std::strcmp(knob, "head") == 0) kernel = DecodeKernel::head;
+    }
+  }
+  const bool head_fits = s.V == kHeadV && (s.K == 32 || s.K == 64 || s.K == 128);
+  if (kernel == DecodeKernel::head) {
+    require(head_fits,
+            "delta rule decode (cuda): the head kernel needs V = 128 and K in {32, 64, 128}, got "
+            "K = " +
+                std::to_string(s.K) + ", V = " + std::to_string(s.V));
+    return true;
+  }
+  if (kernel == DecodeKernel::tile || !head_fits) return false;
+  // automatic: the head kernel once the tile kernel needs more than one wave (8 blocks per SM)
+  static const int sms = multiprocessors();
+  return s.B * s.HV * (s.V / kTile) > int64_t(8) * sms;
+}
+
+}  // namespace
+
 void decode_step(const DecodeArgs& a, cudaStream_t stream) {
   DeltaRuleShape s = a.shape;
   s.T = 1;
@@ -296,10 +636,38 @@ void decode_step(const DecodeArgs& a, cudaStream_t stream) {
                           a.beta,   a.o,       a.state_pool, a.state_pool,
                           a.slots,  nullptr,   nullptr,      1,
                           int(s.H), int(s.HV), int(s.V),     float(s.effective_scale())};
-  bool overlap = a.overlap_launch;
-  // Kernel-lab knob: KDA_DECODE_OVERLAP=0|1 overrides DecodeArgs::overlap_launch (timing only).
-  if (const char* knob = std::getenv("KDA_DECODE_OVERLAP")) overlap = knob[0] == '1';
-  launch_recurrent(s, a.dtype, s.B, p, stream, true, overlap);
+  const bool overlap = decode_overlap(a);
+  if (!use_head_kernel(a, s)) {
+    launch_recurrent(s, a.dtype, s.B, p, stream, true, overlap);
+    return;
+  }
+  require(s.B <= 65535, "delta rule decode (cuda): at most 65535 sequences per call");
+  require(aligned16(a.state_pool),
+          "delta rule decode (cuda): the head kernel needs a 16-byte aligned state_pool");
+  const dim3 grid(unsigned(s.HV), unsigned(s.B));
+  if (a.dtype == ElementType::bf16)
+    launch_head_for_gate<__nv_bfloat16>(s.gate, int(s.K), grid, p, overlap, stream);
+  else
+    launch_head_for_gate<float>(s.gate, int(s.K), grid, p, overlap, stream);
+  check_launch("delta rule decode head kernel");
+}
+
+void decode_state_copy(const DecodeArgs& a, cudaStream_t stream) {
+  const DeltaRuleShape& s = a.shape;
+  require(a.state_pool && a.slots, "decode_state_copy: state_pool and slots are required");
+  require(s.B >= 1 && s.B <= 65535, "decode_state_copy: B must be in [1, 65535]");
+  const int64_t state_floats = s.HV * s.K * s.V;
+  require(state_floats % 4 == 0 && aligned16(a.state_pool),
+          "decode_state_copy: each state must be a whole number of aligned 16-byte vectors");
+  const int64_t state_vecs = state_floats / 4, per_chunk = int64_t(kCopyThreads) * kCopyPerThread;
+  const int64_t chunks_per_state = (state_vecs + per_chunk - 1) / per_chunk;
+  const int64_t chunks = chunks_per_state * s.B;
+  static const int sms = multiprocessors();
+  const int64_t resident = int64_t(2048 / kCopyThreads) * sms;  // 8 blocks of 256 per SM
+  const dim3 grid(unsigned(std::min(chunks, resident)));
+  launch_maybe_overlapped(decode_state_copy_kernel, grid, kCopyThreads, decode_overlap(a), stream,
+                          a.state_pool, a.slots, state_vecs, chunks_per_state, chunks);
+  check_launch("decode_state_copy kernel");
 }
 
 }  // namespace kda::ops::cuda
