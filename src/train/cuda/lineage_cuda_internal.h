@@ -69,7 +69,8 @@ struct LineageCudaModel::PerLayer {
   // [W1; W3] (bf16 [2F, d], the compute copies side by side, copied by each forward)
   ops::cuda::DeviceBuffer up_c, act_c, w13_c;
   // softmax layers: rows [q | k | v] (bf16 [R, 3 inner], RoPE applied) and [Wq; Wk; Wv] (bf16
-  // [3 inner, d], the compute copies side by side, copied by each forward)
+  // [3 inner, d], the compute copies side by side, copied by each forward); delta-family layers
+  // keep wqkv_c too (KDA: [Wq; Wk; Wv; Wg], bf16 [4 inner, d])
   ops::cuda::DeviceBuffer qkv_c, wqkv_c;
   // MLA: the kv_a rows [c | k_rope] fp32, the latent before its norm, its inverse RMS, the normed
   // latent in bf16 (q_c, k_c, v_c hold q, the per-head keys [k_nope | k_rope] and values)
@@ -84,10 +85,13 @@ struct LineageCudaModel::Activations {
                                            // mixer, h[2l + 1] its MLP, h[2L] the final norm
   std::vector<PerLayer> layers;
   ops::cuda::DeviceBuffer invf, hf_c, logits;
-  ops::cuda::DeviceBuffer dh, dtmp, dan, dy_c, d32a, d32b, do_c, dq_c, dk_c, dv_c, dg_c, db_c, dA,
+  ops::cuda::DeviceBuffer dh, dtmp, dan, dy_c, d32a, do_c, dq_c, dk_c, dv_c, dg_c, db_c, dA,
       ddt, dlinear32, workspace;
   ops::cuda::DeviceBuffer dact_c;  // the MLP's d(act) (bf16 [R, F]), what its SwiGLU reads
-  ops::cuda::DeviceBuffer dqkv_c;  // softmax layers' [dq | dk | dv] rows (bf16 [R, 3 inner])
+  // [dq | dk | dv] rows (bf16 [R, 3 inner]; softmax layers: attention's, delta family: before
+  // the short convolutions; KDA layers: [dq | dk | dv | dg], [R, 4 inner]), one GEMM back, and
+  // the stacked weight gradient (fp32 [3 or 4 inner, d])
+  ops::cuda::DeviceBuffer dqkv_c, dw_qkv;
   // MLA backward: dq / dk (bf16, per-head width qk), dk and dv in fp32, d(kv_b out), d(kv_a rows),
   // d(latent), and the [H qk, rope] 0/1 matrix that sums the heads' rope-key gradients
   ops::cuda::DeviceBuffer dqm_c, dkm_c, dkeys32, dvalues32, dkvb32, drows32, dlat32, rope_sum;

@@ -150,6 +150,9 @@ void LineageCudaModel::ensure_activations(int64_t R) {
       p.q_c = bf(R * inner);
       p.k_c = bf(R * inner);
       p.v_c = bf(R * inner);
+      // delta family: [Wq; Wk; Wv] (KDA: and Wg) side by side, copied by each forward: one GEMM
+      // into qkv32, and one product back over all the projections' gradients
+      if (L.delta_family()) p.wqkv_c = bf((L.kind == MixerKind::kda ? 4 : 3) * inner * d);
     }
     if (L.kind == MixerKind::softmax) {
       p.o32 = f32(R * inner);
@@ -194,14 +197,22 @@ void LineageCudaModel::ensure_activations(int64_t R) {
   a->dy_c = bf(R * std::max({V, 2 * F, d, 2 * inner, m.row}));
   a->d32a = f32(R * inner);
   a->dact_c = bf(R * F);
-  a->d32b = f32(R * inner);
   a->do_c = bf(R * inner);
   a->dq_c = bf(R * inner);
   a->dk_c = bf(R * inner);
   a->dv_c = bf(R * inner);
-  if (std::any_of(layers_.begin(), layers_.end(),
-                  [](const Layer& L) { return L.kind == MixerKind::softmax; }))
-    a->dqkv_c = bf(R * 3 * inner);  // softmax layers: [dq | dk | dv] rows, one GEMM back
+  // rows of the gradients one GEMM takes back through [Wq; Wk; Wv (; Wg)] and their stacked
+  // weight gradient: softmax layers' [dq | dk | dv], the delta family's pre-convolution [dq | dk |
+  // dv] (KDA: and dg)
+  int64_t dqkv_width = 0;
+  for (const Layer& L : layers_) {
+    if (L.kind == MixerKind::softmax || L.delta_family())
+      dqkv_width = std::max(dqkv_width, (L.kind == MixerKind::kda ? 4 : 3) * inner);
+  }
+  if (dqkv_width > 0) {
+    a->dqkv_c = bf(R * dqkv_width);
+    a->dw_qkv = f32(dqkv_width * d);
+  }
   a->dg_c = bf(R * inner);
   a->db_c = bf(R * H);
   a->dA = f32(H);
@@ -326,9 +337,18 @@ void LineageCudaModel::mixer_forward(Layer& L, int64_t l, int64_t B, int64_t T) 
     return;
   }
   // q, k, v projections: fp32 column blocks of qkv32 [R, 3 inner]
-  for (int j = 0; j < 3; ++j)
-    gemm.linear(kBf16, R, inner, d, {P.a_c.data(), d}, {Wqkv[j]->compute(), d},
-                {offset(P.qkv32, j * inner, 4), kF32, 3 * inner});
+  if (L.delta_family()) {  // one GEMM from [Wq; Wk; Wv] (KDA: Wg too, for the backward)
+    const Entry* Ws[4] = {L.Wq, L.Wk, L.Wv, L.Wg};
+    const int blocks = L.kind == MixerKind::kda ? 4 : 3;
+    for (int j = 0; j < blocks; ++j)
+      copy_device(offset(P.wqkv_c, j * inner * d, 2), Ws[j]->compute(), size_t(inner * d) * 2, s);
+    gemm.linear(kBf16, R, 3 * inner, d, {P.a_c.data(), d}, {P.wqkv_c.data(), d},
+                {P.qkv32.data(), kF32});
+  } else {
+    for (int j = 0; j < 3; ++j)
+      gemm.linear(kBf16, R, inner, d, {P.a_c.data(), d}, {Wqkv[j]->compute(), d},
+                  {offset(P.qkv32, j * inner, 4), kF32, 3 * inner});
+  }
   engines_->timer.mark(s, "f.qkv_gemm");
   const auto qkv = [&](int j) { return offset<float>(P.qkv32, j * inner, 4); };
 
@@ -350,6 +370,7 @@ void LineageCudaModel::mixer_forward(Layer& L, int64_t l, int64_t B, int64_t T) 
     k::short_conv_silu_train_forward(qkv(j), positions, R, inner, 3 * inner, L.conv[j]->f(),
                                      kShortConvWidth, out, s);
   }
+  engines_->timer.mark(s, "f.conv");
   const k::DeltaRuleDeviceInputs in = delta_rule_inputs(L, P, c, B, T, R, cu_seqlens_);
   if (kda) {
     gemm.linear(kBf16, R, inner, d, {P.a_c.data(), d}, {L.Wg->compute(), d}, {P.g_c.data(), kBf16});
@@ -412,10 +433,12 @@ void LineageCudaModel::mixer_backward(Layer& L, int64_t l, int64_t B, int64_t T)
     engines_->timer.mark(s, "b.attention");
     if (L.rope)  // the gradient rotates back (dq and dk side by side: 2 H heads a row)
       k::rotary_embedding(a.dqkv_c.data(), kBf16, positions, R, 2 * H, dh, 3 * inner, -1, s);
-    // the three weight gradients, then one product back through [Wq; Wk; Wv] (K = 3 inner)
-    for (int j = 0; j < 3; ++j)
-      wgrad.weight_gradient(kBf16, R, inner, d, offset(a.dqkv_c, j * inner, 2), 3 * inner,
-                            P.a_c.data(), d, Wqkv[j]->g(), 1.f);
+    // one weight-gradient product for [Wq; Wk; Wv] (M = 3 inner fills the GPU better than
+    // three of M = inner), added into the three gradients; one product back (K = 3 inner)
+    float* dw = a.dw_qkv.as<float>();
+    wgrad.weight_gradient(kBf16, R, 3 * inner, d, a.dqkv_c.data(), 3 * inner, P.a_c.data(), d, dw,
+                          0.f);
+    for (int j = 0; j < 3; ++j) k::add_inplace(Wqkv[j]->g(), dw + j * inner * d, inner * d, s);
     gemm.matmul(kBf16, R, d, 3 * inner, {a.dqkv_c.data(), 3 * inner}, {P.wqkv_c.data(), d},
                 {dan, kF32});
     engines_->timer.mark(s, "b.qkv_gemm");
@@ -442,10 +465,12 @@ void LineageCudaModel::mixer_backward(Layer& L, int64_t l, int64_t B, int64_t T)
     k::add_inplace(L.A_log->g(), a.dA.as<float>(), H, s);
     k::add_inplace(L.dt_bias->g(), a.ddt.as<float>(), inner, s);
   }
-  // q, k, v: (L2 norm,) then the short convolutions back to the projections
+  // q, k, v: (L2 norm,) then the short convolutions back to the projections, their gradients
+  // written in bf16 into column blocks of dqkv_c rows [dq | dk | dv (| dg)] (KDA: dg copied in)
   const DeviceBuffer* dqkv[3] = {&a.dq_c, &a.dk_c, &a.dv_c};
   const DeviceBuffer* activated[2] = {&P.qa32, &P.ka32};
-  float* dpre = a.d32b.as<float>();
+  const int blocks = kda ? 4 : 3;
+  const int64_t w = blocks * inner;
   for (int j = 0; j < 3; ++j) {
     const void* dconv = dqkv[j]->data();
     ElementType dconv_type = kBf16;
@@ -457,12 +482,25 @@ void LineageCudaModel::mixer_backward(Layer& L, int64_t l, int64_t B, int64_t T)
     }
     k::short_conv_silu_train_backward(offset<float>(P.qkv32, j * inner, 4), positions, R, inner,
                                       3 * inner, L.conv[j]->f(), kShortConvWidth, dconv, dconv_type,
-                                      dpre, L.conv[j]->g(), scratch, s);
-    project_back_f32(j, dpre, inner, *Wqkv[j]);
+                                      k::OutRows{offset(a.dqkv_c, j * inner, 2), kBf16, w},
+                                      L.conv[j]->g(), scratch, s);
   }
-  if (kda) {  // dgraw, dbraw come out of the kernel in bf16
-    linear_backward(gemm, wgrad, R, d, inner, a.dg_c.data(), inner, P.a_c.data(), d, *L.Wg,
-                    {dan, kF32}, true);
+  if (kda)  // (the chunk kernel writes dg dense)
+    check_cuda(cudaMemcpy2DAsync(offset(a.dqkv_c, 3 * inner, 2), size_t(w) * 2, a.dg_c.data(),
+                                 size_t(inner) * 2, size_t(inner) * 2, size_t(R),
+                                 cudaMemcpyDeviceToDevice, s),
+               "lineage model (cuda): dg rows");
+  engines_->timer.mark(s, "b.conv");
+  // one weight-gradient product for the stacked weight (M = w), added into each gradient; then
+  // one product back through [Wq; Wk; Wv (; Wg)] (K = w) writing dan
+  const Entry* Ws[4] = {L.Wq, L.Wk, L.Wv, L.Wg};
+  float* dw = a.dw_qkv.as<float>();
+  wgrad.weight_gradient(kBf16, R, w, d, a.dqkv_c.data(), w, P.a_c.data(), d, dw, 0.f);
+  for (int j = 0; j < blocks; ++j) k::add_inplace(Ws[j]->g(), dw + j * inner * d, inner * d, s);
+  engines_->timer.mark(s, "b.wgrad");
+  gemm.matmul(kBf16, R, d, w, {a.dqkv_c.data(), w}, {P.wqkv_c.data(), d}, {dan, kF32});
+  engines_->timer.mark(s, "b.dx_gemm");
+  if (kda) {  // dbraw comes out of the kernel in bf16
     linear_backward(gemm, wgrad, R, d, H, a.db_c.data(), H, P.a_c.data(), d, *L.Wb, {dan, kF32},
                     true);
     return;
@@ -570,10 +608,9 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
     timer.mark(s, "f.norm_residual");
     mixer_forward(W, l, B, T);
     timer.mark(s, "f.other");
-    copy_device(x_mid, x_in, size_t(R * d) * 4, s);
-    timer.mark(s, "f.norm_residual");
-    gemm.linear(kBf16, R, d, inner, {P.o_c.data(), inner}, {W.Wo->compute(), inner}, {x_mid, kF32},
-                1.f, 1.f);
+    // x_mid = x_in + o Wo^T in one pass (x_in stays: the norm backward reads it)
+    gemm.linear_add(kBf16, R, d, inner, {P.o_c.data(), inner}, {W.Wo->compute(), inner}, {x_in},
+                    {x_mid, kF32});
     timer.mark(s, "f.o_gemm");
     k::rms_norm_forward_train(x_mid, R, d, W.norm2->f(), eps, {P.m_c.data(), kBf16},
                               P.inv2.as<float>(), s);
@@ -585,9 +622,9 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
     gemm.linear(kBf16, R, 2 * F, d, {P.m_c.data(), d}, {P.w13_c.data(), d}, {P.up_c.data(), kBf16});
     timer.mark(s, "f.mlp_gemm");
     k::swiglu(P.up_c.data(), kBf16, R, F, {P.act_c.data(), kBf16}, s);
-    copy_device(x_out, x_mid, size_t(R * d) * 4, s);
     timer.mark(s, "f.mlp_act");
-    gemm.linear(kBf16, R, d, F, {P.act_c.data(), F}, {W.W2->compute(), F}, {x_out, kF32}, 1.f, 1.f);
+    gemm.linear_add(kBf16, R, d, F, {P.act_c.data(), F}, {W.W2->compute(), F}, {x_mid},
+                    {x_out, kF32});
     timer.mark(s, "f.mlp_gemm");
   }
   const float* x_final = a.h[size_t(2 * L)].as<float>();
