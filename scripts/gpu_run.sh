@@ -14,7 +14,7 @@
 # --model:  the model path (checks + benchmarks) and the delta-rule kernels' checks only.
 # --train:  training on the GPU only: one build (kda, kda_gpu_model, kda_gpu_train; needs
 #           gpu_carry/pcre2), the training kernels' checks (attention, attention_bwd,
-#           lineage_ops, linear_attn, train, gpt2_train), the lineage GPU trainer against the
+#           lineage_ops, linear_attn, train, gpt2_train, gemm), the lineage GPU trainer against the
 #           CPU one and its throughput; then, when KDA_RECALL is set,
 #           `kda bench recall --device cuda $KDA_RECALL`.
 #           KDA_SKIP_KERNELS / KDA_SKIP_TRAIN_CHECK skip the kernel suites / the trainer checks;
@@ -55,7 +55,7 @@ if [ "$mode" = "--train" ]; then
     echo "== kda_gpu_model: the training kernels"
     # shellcheck disable=SC2086
     timeout 240 ./build-gpu-app/bin/kda_gpu_model --check --bench --shared gpu_carry/shared \
-      ${KDA_SUITES:-attention attention_bwd lineage_ops linear_attn train gpt2_train} 2>&1 |
+      ${KDA_SUITES:-attention attention_bwd lineage_ops linear_attn train gpt2_train gemm} 2>&1 |
       tee "$log_dir/train_kernels.log" | grep -v "^CHECK.*PASS"
     [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
     echo "kernels: $(grep -c "^CHECK.*PASS" "$log_dir/train_kernels.log") checks pass"

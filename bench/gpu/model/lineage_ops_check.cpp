@@ -250,6 +250,113 @@ void check_conv_against_cpu(const Layout& l, int64_t C, int64_t x_extra, Tally& 
          rel_error(widen(download(d_dw.data(), dw_cpu.size())), widen(dw_cpu)), kGradTol);
 }
 
+// The backward writing dx typed into a column block of a wider row buffer (the trainer's bf16
+// [dq | dk | dv | dg] rows, one GEMM's input): against the float64 reference, bit for bit the
+// dense fp32 call's dx (rounded once to bf16) and its dweight, the columns outside the block
+// untouched (still poison), and the same bits twice.
+void check_conv_backward_into_block(const Layout& l, int64_t C, int64_t W, int64_t x_extra,
+                                    ElementType dy_type, ElementType dx_type, int64_t col0,
+                                    int64_t dx_width, Tally& tally) {
+  const ConvCase k = make_conv_case(l, C, W, x_extra);
+  const int64_t rows = l.rows(), P = W - 1;
+  const DeviceArray d_dy = to_device(random_values(size_t(rows * C), fresh_seed()), dy_type);
+  const std::vector<float> dw0 = random_values(size_t(C * W), fresh_seed());
+  const std::vector<double> a = conv_preactivation(k);
+  std::vector<double> dx_ref(a.size()), dw_ref(dw0.begin(), dw0.end());
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t c = 0; c < C; ++c) {
+      const double s = 1.0 / (1.0 + std::exp(-a[t * C + c]));
+      const double da = d_dy.rounded[t * C + c] * s * (1.0 + a[t * C + c] * (1.0 - s));
+      for (int64_t j = 0; j < W; ++j) {
+        const int64_t back = P - j;
+        if (back > k.pos[t]) continue;  // input before t's sequence start
+        dx_ref[(t - back) * C + c] += double(k.w[c * W + j]) * da;
+        dw_ref[c * W + j] += da * k.x[(t - back) * k.xs + c];
+      }
+    }
+  const DeviceBuffer d_x = upload(k.x), d_w = upload(k.w), d_pos = upload_ints(k.pos);
+  const int64_t xs = k.xs != C ? k.xs : 0;
+  cu::TrainScratch scratch;
+  // the dense fp32 call
+  DeviceBuffer d_dx32 = poisoned(size_t(rows * C) * sizeof(float)), d_dw32 = upload(dw0);
+  cu::short_conv_silu_train_backward(d_x.as<float>(), d_pos.as<int32_t>(), rows, C, xs,
+                                     d_w.as<float>(), W, d_dy.data(), dy_type, d_dx32.as<float>(),
+                                     d_dw32.as<float>(), scratch, nullptr);
+  sync();
+  const std::vector<float> dx32 = download(d_dx32.data(), size_t(rows * C));
+  const std::vector<float> dw32 = download(d_dw32.data(), size_t(C * W));
+  // the typed call into columns [col0, col0 + C) of rows dx_width wide, twice
+  const size_t elem = cu::element_bytes(dx_type), row_bytes = size_t(dx_width) * elem;
+  std::vector<uint8_t> wide_runs[2];
+  std::vector<float> dw_runs[2];
+  for (int run = 0; run < 2; ++run) {
+    DeviceBuffer d_wide = poisoned(size_t(rows) * row_bytes), d_dw = upload(dw0);
+    cu::short_conv_silu_train_backward(
+        d_x.as<float>(), d_pos.as<int32_t>(), rows, C, xs, d_w.as<float>(), W, d_dy.data(), dy_type,
+        cu::OutRows{static_cast<uint8_t*>(d_wide.data()) + col0 * elem, dx_type, dx_width},
+        d_dw.as<float>(), scratch, nullptr);
+    sync();
+    wide_runs[run].resize(size_t(rows) * row_bytes);
+    d_wide.download(wide_runs[run].data(), wide_runs[run].size());
+    dw_runs[run] = download(d_dw.data(), size_t(C * W));
+  }
+  const std::vector<uint8_t>& wide = wide_runs[0];
+  std::vector<double> got(size_t(rows * C));
+  int64_t bits_differ = 0, outside_written = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = wide.data() + size_t(r) * row_bytes;
+    for (int64_t c = 0; c < dx_width; ++c) {
+      const uint8_t* e = row + size_t(c) * elem;
+      if (c < col0 || c >= col0 + C) {
+        for (size_t b = 0; b < elem; ++b) outside_written += e[b] != 0xFF;
+        continue;
+      }
+      const float dense = dx32[size_t(r * C + c - col0)];
+      if (dx_type == bf16) {
+        uint16_t v;
+        std::memcpy(&v, e, 2);
+        got[size_t(r * C + c - col0)] = bf16_to_f32(v);
+        bits_differ += v != f32_to_bf16(dense);
+      } else {
+        float v;
+        std::memcpy(&v, e, 4);
+        got[size_t(r * C + c - col0)] = v;
+        bits_differ += std::memcmp(&v, &dense, 4) != 0;
+      }
+    }
+  }
+  const std::string tag = "short_conv_silu_train_backward " + conv_tag(k) + " dy " +
+                          type_name(dy_type) + " dx " + type_name(dx_type) + " columns [" +
+                          std::to_string(col0) + ", " + std::to_string(col0 + C) + ") of " +
+                          std::to_string(dx_width);
+  report(tally, tag + " dx", rel_error(got, dx_ref), dx_type == f32 ? kGradTol : kBf16Tol);
+  report(tally, tag + " dx = dense fp32 dx rounded (differing entries)", double(bits_differ), 0.0);
+  report(tally, tag + " bytes written outside the block", double(outside_written), 0.0);
+  report(tally, tag + " dweight (accumulated)", rel_error(widen(dw_runs[0]), dw_ref), kGradTol);
+  report_same(tally, tag + " dweight = dense call's", same_bits(dw_runs[0], dw32));
+  report_same(tally, tag + " deterministic",
+              wide_runs[0] == wide_runs[1] && same_bits(dw_runs[0], dw_runs[1]));
+}
+
+void check_conv_backward_block_errors(Tally& tally) {
+  cu::TrainScratch scratch;
+  float* bogus = reinterpret_cast<float*>(uintptr_t(256));  // never dereferenced
+  const int32_t* bogus_pos = reinterpret_cast<const int32_t*>(bogus);
+  float* other = bogus + 64;
+  report_throws(tally, "short_conv_silu_train_backward typed dx stride < C", [&] {
+    cu::short_conv_silu_train_backward(bogus, bogus_pos, 4, 8, 0, bogus, 4, bogus, f32,
+                                       cu::OutRows{other, bf16, 6}, other + 64, scratch, nullptr);
+  });
+  report_throws(tally, "short_conv_silu_train_backward typed dx aliasing x", [&] {
+    cu::short_conv_silu_train_backward(bogus, bogus_pos, 4, 8, 0, bogus, 4, other, f32,
+                                       cu::OutRows{bogus, bf16, 0}, other + 64, scratch, nullptr);
+  });
+  report_throws(tally, "short_conv_silu_train_backward typed dx aliasing dy", [&] {
+    cu::short_conv_silu_train_backward(bogus, bogus_pos, 4, 8, 0, bogus, 4, other, f32,
+                                       cu::OutRows{other, bf16, 0}, other + 64, scratch, nullptr);
+  });
+}
+
 // ---- rotary ----
 
 // mixer_layer.cpp's rotary in float64 (angle, cosine and sine not rounded).
@@ -511,6 +618,19 @@ void run_lineage_ops(const SuiteOptions& options, Tally& tally) {
   check_conv_against_cpu(longer, 128, 256, tally);
   check_conv_against_cpu(bt, 128, 0, tally);
   check_conv_against_cpu(one, 64, 0, tally);
+
+  // layout, C, W, extra x columns, dy type, dx type, dx column offset and row width: the trainer's
+  // KDA use (x a block of [q | k | v] rows, dx a bf16 block of [dq | dk | dv | dg] rows; 8192 rows
+  // of 768 columns: row chunks of 24), packed rows over many chunks, every width, one row
+  check_conv_backward_into_block(batch(2, 4096), 768, 4, 2 * 768, bf16, bf16, 768, 4 * 768, tally);
+  check_conv_backward_into_block(longer, 64, 4, 128, bf16, bf16, 128, 256, tally);
+  check_conv_backward_into_block(longer, 64, 4, 0, f32, bf16, 0, 192, tally);
+  check_conv_backward_into_block(small, 64, 3, 0, bf16, bf16, 64, 128, tally);
+  check_conv_backward_into_block(small, 64, 2, 0, f32, f32, 32, 160, tally);
+  check_conv_backward_into_block(small, 37, 1, 3, f32, bf16, 5, 50, tally);
+  check_conv_backward_into_block(bt, 128, 4, 0, bf16, f32, 128, 256, tally);
+  check_conv_backward_into_block(one, 64, 4, 0, bf16, bf16, 64, 192, tally);
+  check_conv_backward_block_errors(tally);
 
   // layout, H, D, extra x columns, type, far positions
   check_rotary(small, 2, 64, 0, f32, false, tally);

@@ -402,19 +402,17 @@ Gpt2StepResult Gpt2CudaTrainer::run(const int32_t* ids, const int32_t* targets, 
       k::attention_forward(attention_args(l, B, T), a.workspace.data(), a.workspace_bytes, s);
     }
     k::convert(P.o32.data(), kF32, P.oc.data(), type_, R * E, s);
-    k::check_cuda(cudaMemcpyAsync(x_mid, x_in, size_t(R * E) * 4, cudaMemcpyDeviceToDevice, s),
-                  "cudaMemcpyAsync (residual)");
-    gemm.linear(type_, R, E, E, {P.oc.data(), E}, {W.out_w->compute(), E}, {x_mid, kF32}, 1.f, 1.f);
+    // x_mid = x_in + o out_w^T in one pass (x_in stays: the norm backward reads it)
+    gemm.linear_add(type_, R, E, E, {P.oc.data(), E}, {W.out_w->compute(), E}, {x_in},
+                    {x_mid, kF32});
     k::add_bias(x_mid, R, E, W.out_b->f(), s);
     // MLP: x_out = x_mid + c_proj(gelu(c_fc(ln_2(x_mid))))
     k::layer_norm(x_mid, R, E, W.ln2_w->f(), W.ln2_b->f(), eps, {P.ln2c.data(), type_}, s);
     gemm.linear(type_, R, I, E, {P.ln2c.data(), E}, {W.fc_w->compute(), E}, {P.pre32.data(), kF32});
     k::add_bias(P.pre32.as<float>(), R, I, W.fc_b->f(), s);
     k::gelu_tanh(P.pre32.as<float>(), R, I, {P.actc.data(), type_}, s);
-    k::check_cuda(cudaMemcpyAsync(x_out, x_mid, size_t(R * E) * 4, cudaMemcpyDeviceToDevice, s),
-                  "cudaMemcpyAsync (residual)");
-    gemm.linear(type_, R, E, I, {P.actc.data(), I}, {W.down_w->compute(), I}, {x_out, kF32}, 1.f,
-                1.f);
+    gemm.linear_add(type_, R, E, I, {P.actc.data(), I}, {W.down_w->compute(), I}, {x_mid},
+                    {x_out, kF32});
     k::add_bias(x_out, R, E, W.down_b->f(), s);
   }
   const float* x_final = a.h[size_t(2 * L)].as<float>();

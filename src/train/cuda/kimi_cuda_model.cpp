@@ -434,9 +434,9 @@ StepResult KimiCudaModel::forward_backward(const int32_t* inputs, const int32_t*
       kda_forward(L, P, B, T);
     else
       mla_forward(L, P, B, T);
-    copy_device(x_mid, x_in, size_t(R * D) * 4, s);
-    gemm.linear(kBf16, R, D, L.o_width, {P.o_c.data(), L.o_width}, {L.o_proj->compute(), L.o_width},
-                {x_mid, kF32}, 1.f, 1.f);
+    // x_mid = x_in + o o_proj^T in one pass (x_in stays: the norm backward reads it)
+    gemm.linear_add(kBf16, R, D, L.o_width, {P.o_c.data(), L.o_width},
+                    {L.o_proj->compute(), L.o_width}, {x_in}, {x_mid, kF32});
     copy_device(x_out, x_mid, size_t(R * D) * 4, s);
     if (L.moe) {  // the router reads the normed rows in fp32
       k::rms_norm_forward_train(x_mid, R, D, L.norm2->f(), eps, {P.m32.data(), kF32},

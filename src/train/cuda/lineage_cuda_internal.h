@@ -85,8 +85,8 @@ struct LineageCudaModel::Activations {
                                            // mixer, h[2l + 1] its MLP, h[2L] the final norm
   std::vector<PerLayer> layers;
   ops::cuda::DeviceBuffer invf, hf_c, logits;
-  ops::cuda::DeviceBuffer dh, dtmp, dan, dy_c, d32a, do_c, dq_c, dk_c, dv_c, dg_c, db_c, dA,
-      ddt, dlinear32, workspace;
+  ops::cuda::DeviceBuffer dh, dtmp, dan, dy_c, d32a, do_c, dq_c, dk_c, dv_c, dg_c, db_c, dA, ddt,
+      dlinear32, workspace;
   ops::cuda::DeviceBuffer dact_c;  // the MLP's d(act) (bf16 [R, F]), what its SwiGLU reads
   // [dq | dk | dv] rows (bf16 [R, 3 inner]; softmax layers: attention's, delta family: before
   // the short convolutions; KDA layers: [dq | dk | dv | dg], [R, 4 inner]), one GEMM back, and

@@ -3,7 +3,8 @@
 // addresses); the L2 norm uses the row teams of nn_common.cuh. The weight gradients (dweight,
 // dA_log, ddt_bias) are column sums over rows done without atomics: the rows are cut into fixed
 // chunks (a function of the sizes only), a thread per column sums its chunk in row order in fp64
-// into partials [chunks, columns, K], and a second kernel adds the chunks in chunk order.
+// into partials [chunks, columns, K], and a second kernel adds the chunks in a fixed order. The
+// short convolution's backward does its whole chunk (dx, the dweight partials) in one kernel.
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -86,18 +87,38 @@ __global__ void chunk_partials_kernel(int64_t rows, int64_t cols, int64_t rows_p
   for (int k = 0; k < K; ++k) out[k] = acc[k];
 }
 
-// outs (col, k) += sum over chunks (in order) of partials[chunk, col, k].
+// outs (col, k) += sum over chunks of partials[chunk, col, k]: a block per 32 consecutive (col, k)
+// entries (coalesced reads), its kReduceGroups rows of threads each summing every kReduceGroups-th
+// chunk in order, then the groups added in order (a fixed order: deterministic). Many blocks and
+// short serial loops, so the sum is not a few threads walking hundreds of chunks.
+constexpr int kReduceGroups = 8;
+
 template <int K>
 __global__ void chunk_reduce_kernel(const double* partials, int64_t chunks, int64_t cols,
                                     ColumnOuts outs) {
+  __shared__ double group_sums[kReduceGroups][32];
   const int64_t n = cols * K;
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
+  const int64_t i = int64_t(blockIdx.x) * 32 + threadIdx.x;
   double s = 0.0;
-  for (int64_t c = 0; c < chunks; ++c) s += partials[c * n + i];
+  if (i < n)
+    for (int64_t c = threadIdx.y; c < chunks; c += kReduceGroups) s += partials[c * n + i];
+  group_sums[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y != 0 || i >= n) return;
+  double total = 0.0;
+#pragma unroll
+  for (int g = 0; g < kReduceGroups; ++g) total += group_sums[g][threadIdx.x];
   const int64_t col = i / K, k = i - col * K;
   float* o = outs.interleaved ? outs.out[0] + i : outs.out[k] + col;
-  *o = float(double(*o) + s);
+  *o = float(double(*o) + total);
+}
+
+template <int K>
+void reduce_chunks(const double* partials, const ChunkPlan& p, int64_t cols, const ColumnOuts& outs,
+                   cudaStream_t stream, const char* what) {
+  chunk_reduce_kernel<K><<<unsigned(ceil_div(cols * K, 32)), dim3(32, kReduceGroups), 0, stream>>>(
+      partials, p.chunks, cols, outs);
+  check_launch(what);
 }
 
 template <int K, class Op>
@@ -107,9 +128,7 @@ void column_sums(int64_t rows, int64_t cols, const Op& op, const ColumnOuts& out
   chunk_partials_kernel<K>
       <<<grid, p.threads, 0, stream>>>(rows, cols, p.rows_per_chunk, op, partials);
   check_launch(what);
-  chunk_reduce_kernel<K><<<unsigned(ceil_div(cols * K, kThreads)), kThreads, 0, stream>>>(
-      partials, p.chunks, cols, outs);
-  check_launch(what);
+  reduce_chunks<K>(partials, p, cols, outs, stream, what);
 }
 
 // Reserves the partials of a column sum (before any kernel is queued: growing reallocates).
@@ -155,63 +174,109 @@ __global__ void conv_train_forward_kernel(const float* x, const int32_t* positio
   }
 }
 
-// da[r, c] = dy[r, c] silu'(a[r, c]), the CPU's formula s (1 + a (1 - s)).
-template <int W, class DyT>
-__global__ void conv_train_da_kernel(const float* x, const int32_t* positions, int64_t rows,
-                                     int64_t C, int64_t xs, const float* weight, const DyT* dy,
-                                     float* da) {
-  const int64_t n = rows * C;
-  const int64_t step = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
-    const int64_t r = i / C, c = i - r * C;
-    float w[W];
-#pragma unroll
-    for (int j = 0; j < W; ++j) w[j] = weight[c * W + j];
-    const float a = conv_preactivation<W>(x, xs, w, r, c, positions[r]);
-    const float s = 1.0f / (1.0f + expf(-a));
-    da[i] = load_one(dy + i) * s * (1.0f + a * (1.0f - s));
-  }
-}
-
-// dx[s, c] = sum_j w[c, j] da[s + P - j, c] over the outputs t = s + P - j that see input s:
-// t in range and in s's sequence (positions[t] >= P - j). j in the CPU's order.
-template <int W>
-__global__ void conv_train_dx_kernel(const float* da, const int32_t* positions, int64_t rows,
-                                     int64_t C, const float* weight, float* dx) {
+// The whole backward of one (row chunk, column) in one thread, walking the chunk's rows in order
+// with the last W inputs, pre-activation gradients and positions in registers: da[t, c] = dy[t, c]
+// silu'(a[t, c]) (the CPU's s (1 + a (1 - s))) for t in [first, end + P); dx[s, c] = sum_j w[c, j]
+// da[s + P - j, c] over the outputs t = s + P - j that see input s (t < rows, positions[t] >= P -
+// j; j in the CPU's order), written as soon as da[s + P] is known; and the chunk's dweight terms
+// da[t, c] x[t - P + j, c] (inputs in t's sequence) summed in row order in fp64 into partials
+// [chunk, c, W]. The chunk re-reads the P rows before it and the P after it; da never goes to
+// memory. Rows are loaded kAhead at a time so each thread keeps several loads in flight.
+template <int W, class DyT, class OutT>
+__global__ void __launch_bounds__(kThreads, 4)
+    conv_train_backward_kernel(const float* x, const int32_t* positions, int64_t rows, int64_t C,
+                               int64_t xs, const float* weight, const DyT* dy, OutT* dx,
+                               int64_t dxs, int64_t rows_per_chunk, double* partials) {
   constexpr int P = W - 1;
-  const int64_t n = rows * C;
-  const int64_t step = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
-    const int64_t s = i / C, c = i - s * C;
-    float acc = 0.0f;
+  constexpr int kAhead = 4;
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const int64_t chunk = blockIdx.y;
+  const int64_t first = chunk * rows_per_chunk;
+  const int64_t end = first + rows_per_chunk < rows ? first + rows_per_chunk : rows;
+  float w[W];
 #pragma unroll
-    for (int j = 0; j < W; ++j) {
-      const int ahead = P - j;
-      const int64_t t = s + ahead;
-      if (t < rows && positions[t] >= ahead)
-        acc = __fadd_rn(acc, __fmul_rn(weight[c * W + j], da[t * C + c]));
-    }
-    dx[i] = acc;
+  for (int j = 0; j < W; ++j) w[j] = weight[c * W + j];
+  // windows over rows t - P .. t (index j holds row t - P + j; before the first step t = first -
+  // 1, index 0 is shifted out unread): inputs (0 before row 0), pre-activation gradients (0 past
+  // the last row) and positions (-1 past the last row: no output there sees any input). Rows
+  // before `first` only ever feed the chunk's first pre-activations through xw.
+  float xw[W], daw[W];
+  int32_t pw[W];
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    const int64_t r = first - W + j;
+    xw[j] = j > 0 && r >= 0 ? x[r * xs + c] : 0.0f;
+    daw[j] = 0.0f;
+    pw[j] = -1;
   }
+  double acc[W];
+#pragma unroll
+  for (int j = 0; j < W; ++j) acc[j] = 0.0;
+  const int64_t last = end + P;  // rows past `end` only complete the dx of the chunk's last rows
+  for (int64_t t0 = first; t0 < last; t0 += kAhead) {
+    float xa[kAhead], dya[kAhead];
+    int32_t pa[kAhead];
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+      const int64_t t = t0 + u;
+      const bool in = t < rows && t < last;
+      xa[u] = in ? x[t * xs + c] : 0.0f;
+      dya[u] = in ? load_one(dy + t * C + c) : 0.0f;
+      pa[u] = in ? positions[t] : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+      const int64_t t = t0 + u;
+      if (t >= last) break;
+#pragma unroll
+      for (int j = 0; j < P; ++j) {
+        xw[j] = xw[j + 1];
+        daw[j] = daw[j + 1];
+        pw[j] = pw[j + 1];
+      }
+      xw[P] = xa[u];
+      pw[P] = pa[u];
+      float da = 0.0f;
+      if (t < rows) {
+        // the pre-activation in the CPU's order without contraction (conv_preactivation)
+        const int32_t position = pa[u];
+        float a = 0.0f;
+#pragma unroll
+        for (int j = 0; j < W; ++j) {
+          const int back = P - j;
+          const float v = back <= position && back <= t ? xw[j] : 0.0f;
+          a = __fadd_rn(a, __fmul_rn(w[j], v));
+        }
+        const float s = 1.0f / (1.0f + expf(-a));
+        da = dya[u] * s * (1.0f + a * (1.0f - s));
+        if (t < end) {
+          const double d = da;
+#pragma unroll
+          for (int j = 0; j < W; ++j) {
+            const int back = P - j;
+            if (back <= position && back <= t) acc[j] += d * double(xw[j]);
+          }
+        }
+      }
+      daw[P] = da;
+      // input row s = t - P now has all its outputs s .. s + P
+      const int64_t s = t - P;
+      if (s >= first) {
+        float g = 0.0f;
+#pragma unroll
+        for (int j = 0; j < W; ++j) {
+          const int ahead = P - j;  // output s + ahead sits at window index ahead
+          if (pw[ahead] >= ahead) g = __fadd_rn(g, __fmul_rn(w[j], daw[ahead]));
+        }
+        store_one(dx + s * dxs + c, g);
+      }
+    }
+  }
+  double* out = partials + (chunk * C + c) * W;
+#pragma unroll
+  for (int j = 0; j < W; ++j) out[j] = acc[j];
 }
-
-// dweight[c, j] terms of row t: da[t, c] x[t - P + j, c] where that input is in t's sequence.
-template <int W>
-struct ConvWeightTerms {
-  const float *x, *da;
-  const int32_t* positions;
-  int64_t C, xs;
-  __device__ void operator()(int64_t t, int64_t c, double* acc) const {
-    constexpr int P = W - 1;
-    const int32_t position = positions[t];
-    const double d = da[t * C + c];
-#pragma unroll
-    for (int j = 0; j < W; ++j) {
-      const int back = P - j;
-      if (back <= position && back <= t) acc[j] += d * double(x[(t - back) * xs + c]);
-    }
-  }
-};
 
 template <class Fn>
 void with_width(int64_t W, Fn&& fn) {
@@ -423,39 +488,52 @@ void short_conv_silu_train_forward(const float* x, const int32_t* positions, int
 
 void short_conv_silu_train_backward(const float* x, const int32_t* positions, int64_t rows,
                                     int64_t C, int64_t x_stride, const float* weight, int64_t W,
-                                    const void* dy, ElementType dy_type, float* dx, float* dweight,
+                                    const void* dy, ElementType dy_type, OutRows dx, float* dweight,
                                     TrainScratch& scratch, cudaStream_t stream) {
   const char* what = "cuda::short_conv_silu_train_backward";
   const int64_t xs = x_stride > 0 ? x_stride : C;
   check_conv_sizes(rows, C, W, xs, what);
   require_type(dy_type, what);
+  check_out(dx, C, what);
+  require_type(dx.type, what);
   if (rows == 0) return;
-  require(x && positions && weight && dy && dx && dweight, std::string(what) + ": null pointer");
-  require(static_cast<const void*>(dx) != dy, std::string(what) + ": dx may not alias dy");
-  // Both scratch arrays are reserved before anything is queued (growing one reallocates it).
+  require(x && positions && weight && dy && dx.data && dweight,
+          std::string(what) + ": null pointer");
+  require(dx.data != dy, std::string(what) + ": dx may not alias dy");
+  require(dx.data != static_cast<const void*>(x), std::string(what) + ": dx may not alias x");
+  // (reserved before anything is queued: growing reallocates)
   const ChunkPlan plan = chunk_plan(rows, C);
   double* partials = reserve_partials(scratch, plan, C, int(W), what);
-  scratch.rows.reserve(size_t(rows * C) * sizeof(float));
-  float* da = scratch.rows.as<float>();
-  const unsigned grid = grid_for(rows * C, kThreads);
-  dispatch_type(dy_type, [&](auto* tag) {
-    using DyT = Elem<decltype(tag)>;
-    with_width(W, [&](auto width) {
-      conv_train_da_kernel<decltype(width)::value, DyT><<<grid, kThreads, 0, stream>>>(
-          x, positions, rows, C, xs, weight, static_cast<const DyT*>(dy), da);
+  const int64_t dxs = out_stride(dx, C);
+  const dim3 grid(unsigned(plan.column_blocks), unsigned(plan.chunks));
+  dispatch_type(dy_type, [&](auto* dy_tag) {
+    using DyT = Elem<decltype(dy_tag)>;
+    dispatch_type(dx.type, [&](auto* dx_tag) {
+      using OutT = Elem<decltype(dx_tag)>;
+      with_width(W, [&](auto width) {
+        conv_train_backward_kernel<decltype(width)::value, DyT, OutT>
+            <<<grid, plan.threads, 0, stream>>>(
+                x, positions, rows, C, xs, weight, static_cast<const DyT*>(dy),
+                static_cast<OutT*>(dx.data), dxs, plan.rows_per_chunk, partials);
+      });
     });
   });
-  check_launch("cuda::short_conv_silu_train_backward (da)");
+  check_launch("cuda::short_conv_silu_train_backward (dx, dweight partials)");
+  ColumnOuts outs;
+  outs.out[0] = dweight;
+  outs.interleaved = true;
   with_width(W, [&](auto width) {
-    constexpr int kW = decltype(width)::value;
-    conv_train_dx_kernel<kW><<<grid, kThreads, 0, stream>>>(da, positions, rows, C, weight, dx);
-    check_launch("cuda::short_conv_silu_train_backward (dx)");
-    ColumnOuts outs;
-    outs.out[0] = dweight;
-    outs.interleaved = true;
-    column_sums<kW>(rows, C, ConvWeightTerms<kW>{x, da, positions, C, xs}, outs, partials, plan,
-                    stream, "cuda::short_conv_silu_train_backward (dweight)");
+    reduce_chunks<decltype(width)::value>(partials, plan, C, outs, stream,
+                                          "cuda::short_conv_silu_train_backward (dweight)");
   });
+}
+
+void short_conv_silu_train_backward(const float* x, const int32_t* positions, int64_t rows,
+                                    int64_t C, int64_t x_stride, const float* weight, int64_t W,
+                                    const void* dy, ElementType dy_type, float* dx, float* dweight,
+                                    TrainScratch& scratch, cudaStream_t stream) {
+  short_conv_silu_train_backward(x, positions, rows, C, x_stride, weight, W, dy, dy_type,
+                                 OutRows{dx, ElementType::f32, 0}, dweight, scratch, stream);
 }
 
 void rotary_embedding(void* x, ElementType type, const int32_t* positions, int64_t rows, int64_t H,

@@ -30,10 +30,16 @@ void short_conv_silu_train_forward(const float* x, const int32_t* positions, int
                                    int64_t C, int64_t x_stride, const float* weight, int64_t W,
                                    OutRows y, cudaStream_t stream);
 
-// Its backward: dy of dy_type (bf16 or fp32) dense [rows, C]; dx fp32 dense [rows, C]
-// (overwritten; may NOT alias dy); dweight [C, W] ACCUMULATED (+=), summed over rows in a fixed
-// order (deterministic). Recomputes the pre-activation from x. Uses scratch.rows (rows C fp32,
-// the pre-activation gradient) and scratch.partials.
+// Its backward: dy of dy_type (bf16 or fp32) dense [rows, C]; dx OutRows (f32 or bf16, row
+// stride dx.stride, 0: C; overwritten; may NOT alias dy or x), e.g. a column block of a wider
+// bf16 gradient that one GEMM reads; dweight [C, W] ACCUMULATED (+=), summed over rows in a fixed
+// order (deterministic). Recomputes the pre-activation from x; a bf16 dx is the fp32 value
+// rounded once (the same bits as converting the fp32 dx). Uses scratch.partials.
+void short_conv_silu_train_backward(const float* x, const int32_t* positions, int64_t rows,
+                                    int64_t C, int64_t x_stride, const float* weight, int64_t W,
+                                    const void* dy, ElementType dy_type, OutRows dx, float* dweight,
+                                    TrainScratch& scratch, cudaStream_t stream);
+// (dx fp32 dense [rows, C])
 void short_conv_silu_train_backward(const float* x, const int32_t* positions, int64_t rows,
                                     int64_t C, int64_t x_stride, const float* weight, int64_t W,
                                     const void* dy, ElementType dy_type, float* dx, float* dweight,
