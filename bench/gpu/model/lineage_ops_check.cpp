@@ -642,6 +642,11 @@ void run_lineage_ops(const SuiteOptions& options, Tally& tally) {
   check_rotary(longer, 6, 128, 0, f32, false, tally);
   check_rotary(longer, 2, 64, 0, f32, true, tally);
   check_rotary(small, 6, 128, 0, bf16, true, tally);
+  // the scalar kernel (D / 2 not a multiple of 8; a row stride not a multiple of 4), and the
+  // trainer's layout: q and k side by side (2 H heads) in [q | k | v] rows
+  check_rotary(small, 3, 12, 0, f32, false, tally);
+  check_rotary(bt, 2, 64, 2, bf16, false, tally);
+  check_rotary(bt, 4, 128, 2 * 128, bf16, false, tally);
 
   // rows (tokens x heads), D, x scale, y type, dy type, dx aliasing dy
   check_l2norm(66 * 2, 64, 1.f, f32, f32, false, tally);

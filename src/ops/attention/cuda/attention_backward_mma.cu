@@ -50,12 +50,11 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 // Copies `rows` rows of `chunks` 16-byte chunks into smem (row stride ld); rows >= rows_valid
 // and chunks >= chunks_valid are zero-filled. src points at row 0 (stride src_stride elements).
-template <int NT = kThreads>  // threads of the block
 __device__ __forceinline__ void load_tile(bf16* dst, int ld, const bf16* src, int64_t src_stride,
                                           int rows, int rows_valid, int chunks, int chunks_valid,
                                           int tid) {
   const int total = rows * chunks;
-  for (int idx = tid; idx < total; idx += NT) {
+  for (int idx = tid; idx < total; idx += kThreads) {
     const int r = idx / chunks, c = idx - r * chunks;
     bf16* d = dst + r * ld + c * 8;
     if (r < rows_valid && c < chunks_valid)
@@ -279,243 +278,6 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(AttentionB
                   p.dv_stride, warp_rows, Dv, dv, 1.f, lane);
 }
 
-// The wide dk / dv kernel (FlashAttention-2's layout): 8 warps own 128 keys of one KV head.
-// Warp w holds the dK and dV accumulators of keys 32 (w / 2) + [0, 32) and of one half of the
-// head dim (columns half (D / 2), half = w % 2): two m16 key tiles, so every Q / dO fragment
-// read from shared memory feeds two products where the 16-key warps of attention_bwd_dkdv_kernel
-// feed one. Per query tile (BQ = 64 queries): warp w computes S^T and dP^T for its 32 keys and
-// query half `half` (32 x 32), writes P^T and dS^T to shared memory as bf16 (the A operands of
-// dV += P^T dO and dK += dS^T Q, which span all BQ queries), then after a barrier takes its
-// dV / dK products over the whole tile.
-constexpr int kWideWarps = 8;
-constexpr int kWideThreads = 32 * kWideWarps;
-constexpr int kWideKeys = 128;  // keys per block
-constexpr int kWideBQ = 64;     // queries per tile
-constexpr int kWideLdp = kWideBQ + kPad;
-
-template <int DKP, int DVP>
-__global__ void __launch_bounds__(kWideThreads)
-    attention_bwd_dkdv_wide_kernel(AttentionBwdParams p) {
-  constexpr int BK = kWideKeys, BQ = kWideBQ, ldp = kWideLdp;
-  constexpr int ldk = DKP + kPad, ldv = DVP + kPad;
-  constexpr int HK = DKP / 2, HV = DVP / 2;  // each warp's share of the head dims
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  bf16* Ks = reinterpret_cast<bf16*>(smem_raw);          // [BK][ldk]
-  bf16* Vs = Ks + BK * ldk;                              // [BK][ldv]
-  bf16* Qs = Vs + BK * ldv;                              // [2][BQ][ldk]
-  bf16* dOs = Qs + 2 * BQ * ldk;                         // [2][BQ][ldv]
-  bf16* Ps = dOs + 2 * BQ * ldv;                         // [BK][ldp] P^T
-  bf16* dSs = Ps + BK * ldp;                             // [BK][ldp] dS^T
-  float* Ls = reinterpret_cast<float*>(dSs + BK * ldp);  // [2][BQ] lse2
-  float* Ds = Ls + 2 * BQ;                               // [2][BQ] delta
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t4 = lane & 3;
-  const int wk0 = 32 * (warp >> 1);  // this warp's first key in the block
-  const int half = warp & 1;
-  const int wq0 = 32 * half;  // its queries in a tile (S^T, dP^T)
-  const int64_t key0 = int64_t(blockIdx.x) * BK;
-  const int kvh = blockIdx.y;
-  const int64_t b = blockIdx.z;  // the sequence
-  const int Dk = p.Dk, Dv = p.Dv, group = p.group;
-  const int keys_valid = int(min(int64_t(BK), p.Tk - key0));
-
-  // Query tiles that see any key of this block: queries t with q_offset + t >= key0.
-  const int64_t t_first = key0 > p.q_offset ? key0 - p.q_offset : 0;
-  const int qt_first = int(t_first / BQ);
-  const int qt_end = int((p.Tq + BQ - 1) / BQ);
-  const int nqt = qt_end > qt_first ? qt_end - qt_first : 0;
-  const int n_iter = group * nqt;
-
-  const bf16* qbase = static_cast<const bf16*>(p.q) + b * p.q_bstride;
-  const int64_t do_stride = int64_t(p.Hq) * Dv;
-  const bf16* dobase = static_cast<const bf16*>(p.d_o) + b * p.Tq * do_stride;
-  const float* lse2_base = p.lse2 + b * p.Hq * p.Tq_pad;
-  const float* delta_base = p.delta + b * p.Hq * p.Tq_pad;
-
-  auto load_q = [&](int it, int buf) {
-    const int h = kvh * group + it / nqt;
-    const int64_t t0 = int64_t(qt_first + it % nqt) * BQ;
-    const int rows_valid = int(min(int64_t(BQ), p.Tq - t0));
-    load_tile<kWideThreads>(Qs + buf * BQ * ldk, ldk, qbase + t0 * p.q_stride + int64_t(h) * Dk,
-                            p.q_stride, BQ, rows_valid, DKP / 8, Dk / 8, tid);
-    load_tile<kWideThreads>(dOs + buf * BQ * ldv, ldv, dobase + t0 * do_stride + int64_t(h) * Dv,
-                            do_stride, BQ, rows_valid, DVP / 8, Dv / 8, tid);
-    // lse2 / delta rows are padded to kAttentionBwdRowPad (a multiple of BQ): whole chunks.
-    const int64_t w0 = int64_t(h) * p.Tq_pad + t0;
-    for (int idx = tid; idx < 2 * (BQ / 4); idx += kWideThreads) {
-      const int which = idx / (BQ / 4), c = idx % (BQ / 4);
-      const float* src = (which == 0 ? lse2_base : delta_base) + w0 + 4 * c;
-      cp_async16((which == 0 ? Ls : Ds) + buf * BQ + 4 * c, src);
-    }
-  };
-
-  float dk[2][HK / 8][4], dv[2][HV / 8][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-    for (int n = 0; n < HK / 8; ++n)
-      dk[mt][n][0] = dk[mt][n][1] = dk[mt][n][2] = dk[mt][n][3] = 0.f;
-#pragma unroll
-    for (int n = 0; n < HV / 8; ++n)
-      dv[mt][n][0] = dv[mt][n][1] = dv[mt][n][2] = dv[mt][n][3] = 0.f;
-  }
-
-  if (n_iter > 0) {
-    const bf16* kbase =
-        static_cast<const bf16*>(p.k) + b * p.k_bstride + key0 * p.k_stride + int64_t(kvh) * Dk;
-    const bf16* vbase =
-        static_cast<const bf16*>(p.v) + b * p.v_bstride + key0 * p.v_stride + int64_t(kvh) * Dv;
-    load_tile<kWideThreads>(Ks, ldk, kbase, p.k_stride, BK, keys_valid, DKP / 8, Dk / 8, tid);
-    load_tile<kWideThreads>(Vs, ldv, vbase, p.v_stride, BK, keys_valid, DVP / 8, Dv / 8, tid);
-    load_q(0, 0);
-    cp_async_commit();
-  }
-
-  const float scale_log2 = p.scale * kLog2e;
-  for (int it = 0; it < n_iter; ++it) {
-    const int buf = it & 1;
-    if (it + 1 < n_iter) {
-      load_q(it + 1, buf ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-
-    const bf16* Qb = Qs + buf * BQ * ldk;
-    const bf16* dOb = dOs + buf * BQ * ldv;
-    const float* Lb = Ls + buf * BQ;
-    const float* Db = Ds + buf * BQ;
-    const int64_t qpos0 = p.q_offset + int64_t(qt_first + it % nqt) * BQ;  // position of row 0
-
-    // S^T = K Q^T and dP^T = V dO^T for this warp's 32 keys x 32 queries; each K / V fragment
-    // feeds two query n-tiles, each Q / dO fragment two key m-tiles.
-    float s[2][4][4], dp[2][4][4];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int n = 0; n < 4; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][n][e] = dp[mt][n][e] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < DKP / 16; ++ks) {
-      uint32_t a[2][4];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) load_a(a[mt], Ks, ldk, wk0 + 16 * mt, ks * 16, lane);
-#pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        uint32_t bq[4];
-        load_b_nk(bq, Qb, ldk, ks * 16, wq0 + np * 16, lane);  // B(d, query) = Q[query][d]
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          mma_bf16(s[mt][2 * np], a[mt], bq[0], bq[1]);
-          mma_bf16(s[mt][2 * np + 1], a[mt], bq[2], bq[3]);
-        }
-      }
-    }
-#pragma unroll
-    for (int ks = 0; ks < DVP / 16; ++ks) {
-      uint32_t a[2][4];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) load_a(a[mt], Vs, ldv, wk0 + 16 * mt, ks * 16, lane);
-#pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        uint32_t bo[4];
-        load_b_nk(bo, dOb, ldv, ks * 16, wq0 + np * 16, lane);  // B(dv, query) = dO[query][dv]
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          mma_bf16(dp[mt][2 * np], a[mt], bo[0], bo[1]);
-          mma_bf16(dp[mt][2 * np + 1], a[mt], bo[2], bo[3]);
-        }
-      }
-    }
-
-    // P^T (masked: key > query position) and dS^T = P^T (dP^T - delta), to shared memory as
-    // bf16. Element e of n-tile n, m-tile mt: key wk0 + 16 mt + g + 8 (e >= 2), query
-    // wq0 + 8 n + 2 t4 + (e & 1).
-    const bool need_mask = key0 + BK - 1 > qpos0;
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-      for (int n = 0; n < 4; ++n) {
-        const int col = wq0 + n * 8 + 2 * t4;
-        const float2 lse2 = *reinterpret_cast<const float2*>(Lb + col);
-        const float2 delta = *reinterpret_cast<const float2*>(Db + col);
-        float pv[4], ds[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          pv[e] = fast_exp2(fmaf(s[mt][n][e], scale_log2, -((e & 1) ? lse2.y : lse2.x)));
-          if (need_mask) {
-            const int64_t key = key0 + wk0 + 16 * mt + g + ((e & 2) ? 8 : 0);
-            if (key > qpos0 + col + (e & 1)) pv[e] = 0.f;
-          }
-          ds[e] = pv[e] * (dp[mt][n][e] - ((e & 1) ? delta.y : delta.x));
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = wk0 + 16 * mt + g + 8 * r;
-          *reinterpret_cast<__nv_bfloat162*>(Ps + row * ldp + col) =
-              __floats2bfloat162_rn(pv[2 * r], pv[2 * r + 1]);
-          *reinterpret_cast<__nv_bfloat162*>(dSs + row * ldp + col) =
-              __floats2bfloat162_rn(ds[2 * r], ds[2 * r + 1]);
-        }
-      }
-    }
-    __syncthreads();  // P^T and dS^T of the whole tile in place
-
-    // dV += P^T dO, dK += dS^T Q over the tile's BQ queries (the K dimension), this warp's 32
-    // keys and its half of the head dims; each dO / Q fragment feeds two key m-tiles.
-#pragma unroll
-    for (int kk = 0; kk < BQ / 16; ++kk) {
-      uint32_t a[2][4];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) load_a(a[mt], Ps, ldp, wk0 + 16 * mt, kk * 16, lane);
-#pragma unroll
-      for (int dn = 0; dn < HV / 16; ++dn) {
-        uint32_t bo[4];
-        load_b_kn(bo, dOb, ldv, kk * 16, half * HV + dn * 16, lane);  // B(query, dv)
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          mma_bf16(dv[mt][2 * dn], a[mt], bo[0], bo[1]);
-          mma_bf16(dv[mt][2 * dn + 1], a[mt], bo[2], bo[3]);
-        }
-      }
-    }
-#pragma unroll
-    for (int kk = 0; kk < BQ / 16; ++kk) {
-      uint32_t a[2][4];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) load_a(a[mt], dSs, ldp, wk0 + 16 * mt, kk * 16, lane);
-#pragma unroll
-      for (int dn = 0; dn < HK / 16; ++dn) {
-        uint32_t bq[4];
-        load_b_kn(bq, Qb, ldk, kk * 16, half * HK + dn * 16, lane);  // B(query, d)
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          mma_bf16(dk[mt][2 * dn], a[mt], bq[0], bq[1]);
-          mma_bf16(dk[mt][2 * dn + 1], a[mt], bq[2], bq[3]);
-        }
-      }
-    }
-    __syncthreads();  // P^T / dS^T and buffer `buf` free for the next tile
-  }
-
-  // Keys wk0 + 16 mt + (g, g + 8), columns half * (D / 2) + ...; zeros where no query saw them.
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-    const int row0 = wk0 + 16 * mt;
-    const int64_t token0 = b * p.Tk + key0 + row0;
-    store_rows<HK>(static_cast<bf16*>(p.dk) + token0 * p.dk_stride + int64_t(kvh) * Dk + half * HK,
-                   p.dk_stride, keys_valid - row0, max(0, min(HK, Dk - half * HK)), dk[mt], p.scale,
-                   lane);
-    store_rows<HV>(static_cast<bf16*>(p.dv) + token0 * p.dv_stride + int64_t(kvh) * Dv + half * HV,
-                   p.dv_stride, keys_valid - row0, max(0, min(HV, Dv - half * HV)), dv[mt], 1.f,
-                   lane);
-  }
-}
-
 // MT: m16 query tiles per warp. MT = 2 (32 rows a warp, 128 a block) makes every K fragment
 // read from shared memory feed two products in S = Q K^T and dQ += dS K (Q / dO fragments are
 // re-read per key tile either way); its key tiles are 32 wide so that Q, dO and two K / V
@@ -712,48 +474,30 @@ size_t dkdv_smem_bytes() {
   return size_t(kKeys + 2 * BQ) * (DKP + kPad) * 2 + size_t(kKeys + 2 * BQ) * (DVP + kPad) * 2 +
          size_t(4 * BQ) * sizeof(float);
 }
-template <int DKP, int DVP>
-size_t dkdv_wide_smem_bytes() {
-  return size_t(kWideKeys + 2 * kWideBQ) * (DKP + kPad) * 2 +
-         size_t(kWideKeys + 2 * kWideBQ) * (DVP + kPad) * 2 + size_t(2 * kWideKeys) * kWideLdp * 2 +
-         size_t(4 * kWideBQ) * sizeof(float);
-}
 template <int DKP, int DVP, int MT>
 size_t dq_smem_bytes() {
   constexpr int rows = 16 * MT * kWarps, keys = dq_key_tile(MT);
   return size_t(rows + 2 * keys) * (DKP + kPad) * 2 + size_t(rows + 2 * keys) * (DVP + kPad) * 2;
 }
 
-// MT = 2 (the wide rule): the 8-warp dk / dv kernel and the dq kernel at 32 rows a warp.
+// MT = 2 (the wide rule): the dq kernel at 32 rows a warp. (An 8-warp dk / dv kernel with 32
+// keys a warp, P^T and dS^T through shared memory, FlashAttention-2's layout, was slower on the
+// H200: T = 8192, H = 32, D = 128 backward 6.73 -> 6.99 ms, T = 2048 0.60 -> 0.65 ms.)
 template <int DKP, int DVP, int BQ, int MT>
 bool launch(const AttentionBwdParams& p, cudaStream_t stream) {
-  static_assert(kAttentionBwdRowPad % BQ == 0 && kAttentionBwdRowPad % kWideBQ == 0,
-                "workspace rows must cover whole query tiles");
-  constexpr bool kWideKV = MT == 2;
-  const size_t smem_dkdv =
-      kWideKV ? dkdv_wide_smem_bytes<DKP, DVP>() : dkdv_smem_bytes<DKP, DVP, BQ>();
+  static_assert(kAttentionBwdRowPad % BQ == 0, "workspace rows must cover whole query tiles");
+  const size_t smem_dkdv = dkdv_smem_bytes<DKP, DVP, BQ>();
   const size_t smem_dq = dq_smem_bytes<DKP, DVP, MT>();
   const size_t limit = size_t(attention_max_smem());
   if (smem_dkdv > limit || smem_dq > limit) return false;
 
-  if constexpr (kWideKV) {
-    auto dkdv = attention_bwd_dkdv_wide_kernel<DKP, DVP>;
-    check_cuda(
-        cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_dkdv)),
-        "cudaFuncSetAttribute (attention_bwd_dkdv_wide_kernel)");
-    const dim3 grid(unsigned((p.Tk + kWideKeys - 1) / kWideKeys), unsigned(p.Hkv),
-                    unsigned(p.batch));
-    dkdv<<<grid, kWideThreads, smem_dkdv, stream>>>(p);
-    check_launch("attention_bwd_dkdv_wide_kernel");
-  } else {
-    auto dkdv = attention_bwd_dkdv_kernel<DKP, DVP, BQ>;
-    check_cuda(
-        cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_dkdv)),
-        "cudaFuncSetAttribute (attention_bwd_dkdv_kernel)");
-    const dim3 grid(unsigned((p.Tk + kKeys - 1) / kKeys), unsigned(p.Hkv), unsigned(p.batch));
-    dkdv<<<grid, kThreads, smem_dkdv, stream>>>(p);
-    check_launch("attention_bwd_dkdv_kernel");
-  }
+  auto dkdv = attention_bwd_dkdv_kernel<DKP, DVP, BQ>;
+  check_cuda(
+      cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_dkdv)),
+      "cudaFuncSetAttribute (attention_bwd_dkdv_kernel)");
+  const dim3 dkdv_grid(unsigned((p.Tk + kKeys - 1) / kKeys), unsigned(p.Hkv), unsigned(p.batch));
+  dkdv<<<dkdv_grid, kThreads, smem_dkdv, stream>>>(p);
+  check_launch("attention_bwd_dkdv_kernel");
 
   auto dq = attention_bwd_dq_kernel<DKP, DVP, MT>;
   check_cuda(cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_dq)),

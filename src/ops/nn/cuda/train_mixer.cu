@@ -330,6 +330,47 @@ __global__ void rotary_kernel(T* x, const int32_t* positions, int64_t rows, int6
   }
 }
 
+// The same rotation, a thread per row and run of 8 pairs (k0 .. k0 + 7): 4-wide loads and
+// stores (a quarter of the scalar kernel's memory instructions, which bound it), the 8 angles
+// computed once for all H heads. Needs D / 2 % 8 == 0 and 4-element alignment of x and xs.
+template <class T>
+__global__ void rotary_vec_kernel(T* x, const int32_t* positions, int64_t rows, int64_t H,
+                                  int64_t D, int64_t xs, float sign) {
+  constexpr int kPairs = 8;
+  const int64_t half = D / 2, runs = half / kPairs;
+  const int64_t n = rows * runs;
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    const int64_t r = i / runs, k0 = (i - r * runs) * kPairs;
+    float c[kPairs], s[kPairs];
+#pragma unroll
+    for (int j = 0; j < kPairs; ++j) {  // the scalar kernel's expression
+      const double angle = double(positions[r]) * pow(10000.0, -2.0 * double(k0 + j) / double(D));
+      double sin_d, cos_d;
+      sincos(angle, &sin_d, &cos_d);
+      c[j] = float(cos_d);
+      s[j] = sign * float(sin_d);
+    }
+    T* row = x + r * xs;
+    for (int64_t h = 0; h < H; ++h) {
+      T* head = row + h * D + k0;
+#pragma unroll
+      for (int q = 0; q < kPairs / 4; ++q) {
+        const Vec<4> a = load_vec<4>(head + 4 * q), b = load_vec<4>(head + half + 4 * q);
+        Vec<4> oa, ob;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float ce = c[4 * q + e], se = s[4 * q + e];
+          oa.v[e] = __fsub_rn(__fmul_rn(a.v[e], ce), __fmul_rn(b.v[e], se));
+          ob.v[e] = __fadd_rn(__fmul_rn(a.v[e], se), __fmul_rn(b.v[e], ce));
+        }
+        store_vec<4>(head + 4 * q, oa);
+        store_vec<4>(head + half + 4 * q, ob);
+      }
+    }
+  }
+}
+
 // ---- L2 row norm ----
 
 template <int kTeam, int V, class OutT>
@@ -551,8 +592,13 @@ void rotary_embedding(void* x, ElementType type, const int32_t* positions, int64
   require(x && positions, std::string(what) + ": null pointer");
   dispatch_type(type, [&](auto* tag) {
     using T = Elem<decltype(tag)>;
-    rotary_kernel<T><<<grid_for(rows * (D / 2), kThreads), kThreads, 0, stream>>>(
-        static_cast<T*>(x), positions, rows, H, D, xs, float(direction));
+    T* xt = static_cast<T*>(x);
+    if ((D / 2) % 8 == 0 && xs % 4 == 0 && aligned_for(xt, 4, sizeof(T)))
+      rotary_vec_kernel<T><<<grid_for(rows * (D / 16), kThreads), kThreads, 0, stream>>>(
+          xt, positions, rows, H, D, xs, float(direction));
+    else
+      rotary_kernel<T><<<grid_for(rows * (D / 2), kThreads), kThreads, 0, stream>>>(
+          xt, positions, rows, H, D, xs, float(direction));
   });
   check_launch(what);
 }
