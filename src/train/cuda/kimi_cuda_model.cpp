@@ -37,7 +37,6 @@ KimiCudaModel::KimiCudaModel(std::unique_ptr<KimiLinearTrainable> host)
     require(c.conv_kernel >= 1 && c.conv_kernel <= 4,
             "kimi_linear (cuda): short_conv_kernel_size must be in [1, 4]");
   }
-  check_cuda(cudaStreamCreate(&stream_), "cudaStreamCreate");
   params_ = std::make_unique<DeviceParams>(host_->params(), stream_);
   engines_ = std::make_unique<Engines>(stream_);
   std::map<std::string, Entry*> by_name;
@@ -105,42 +104,9 @@ KimiCudaModel::KimiCudaModel(std::unique_ptr<KimiLinearTrainable> host)
 }
 
 KimiCudaModel::~KimiCudaModel() {
-  if (stream_) cudaStreamSynchronize(stream_);
+  synchronize();  // before the activations and engines go (the parameters go last, in the base)
   acts_.reset();
   engines_.reset();
-  params_.reset();
-  if (stream_) cudaStreamDestroy(stream_);
-}
-
-void KimiCudaModel::zero_grad() {
-  params_->zero_grads();
-}
-void KimiCudaModel::scale_grads(float s) {
-  params_->scale_grads(s);
-}
-void KimiCudaModel::pull_values() {
-  params_->pull();
-}
-void KimiCudaModel::push_values() {
-  params_->push();
-}
-
-std::vector<float> KimiCudaModel::gradient(const std::string& name) {
-  return params_->gradient(name);
-}
-
-std::vector<float> KimiCudaModel::value(const std::string& name) {
-  Entry& e = params_->at(name);
-  check_cuda(cudaStreamSynchronize(stream_), "kimi_linear (cuda): value");
-  std::vector<float> v(static_cast<size_t>(e.n));
-  e.value.download(v.data(), v.size() * 4);
-  return v;
-}
-
-std::unique_ptr<Optimizer> KimiCudaModel::make_optimizer(const AdamWConfig& config) {
-  require(config.lr > 0 && config.total_steps >= 1, "adamw: lr and total_steps must be positive");
-  params_->reset_moments();  // a new optimizer starts fresh, as the host AdamW does
-  return std::make_unique<DeviceAdamW>(*params_, config);
 }
 
 void KimiCudaModel::after_optimizer_step() {

@@ -33,14 +33,13 @@
 #include <vector>
 
 #include "model/kimi_linear_config.h"
+#include "train/cuda/device_trainable.h"
 #include "train/hf_kimi_linear.h"
 #include "train/trainable_model.h"
 
 namespace kda::train::cuda {
 
-class DeviceParams;
-
-class KimiCudaModel final : public TrainableModel {
+class KimiCudaModel final : public DeviceTrainableModel {
  public:
   // Takes the host model (its params() stay the host mirrors of the device weights).
   explicit KimiCudaModel(std::unique_ptr<KimiLinearTrainable> host);
@@ -49,16 +48,8 @@ class KimiCudaModel final : public TrainableModel {
   std::vector<Param*> params() override { return host_->params(); }
   StepResult forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
                               bool backward, std::span<const int64_t> cu_seqlens = {}) override;
-  void zero_grad() override;
-  void scale_grads(float s) override;
   void after_optimizer_step() override;
-  std::unique_ptr<Optimizer> make_optimizer(const AdamWConfig& config) override;
-  void pull_values() override;
-  void push_values() override;
 
-  // Host copies of a parameter's device gradient and value (checks).
-  std::vector<float> gradient(const std::string& name);
-  std::vector<float> value(const std::string& name);
   KimiLinearTrainable& host() { return *host_; }
   // max / mean expert load of the training passes since the last optimizer step, per MoE layer.
   std::vector<double> expert_load_imbalance() const;
@@ -90,8 +81,6 @@ class KimiCudaModel final : public TrainableModel {
 
   std::unique_ptr<KimiLinearTrainable> host_;
   model::KimiLinearConfig c_;
-  cudaStream_t stream_ = nullptr;
-  std::unique_ptr<DeviceParams> params_;
   std::unique_ptr<Engines> engines_;
   std::vector<Layer> layers_;
   std::unique_ptr<Activations> acts_;

@@ -28,7 +28,6 @@ LineageCudaModel::LineageCudaModel(std::unique_ptr<LineageModel> host) : host_(s
   const LineageConfig& c = host_->config();
   require(c.head_dim == 64 || c.head_dim == 128,
           "lineage model (cuda): head_dim must be 64 or 128 (the chunked kernels' sizes)");
-  check_cuda(cudaStreamCreate(&stream_), "cudaStreamCreate");
   params_ = std::make_unique<DeviceParams>(host_->params(), stream_);
   engines_ = std::make_unique<Engines>(stream_);
   const bool all_softmax = c.pattern.find_first_not_of('A') == std::string::npos;
@@ -70,41 +69,17 @@ LineageCudaModel::LineageCudaModel(std::unique_ptr<LineageModel> host) : host_(s
 }
 
 LineageCudaModel::~LineageCudaModel() {
-  if (stream_) cudaStreamSynchronize(stream_);
+  synchronize();  // before the activations and engines go (the parameters go last, in the base)
   acts_.reset();
   engines_.reset();
-  params_.reset();
-  if (stream_) cudaStreamDestroy(stream_);
 }
 
-void LineageCudaModel::zero_grad() {
-  params_->zero_grads();
-}
-void LineageCudaModel::scale_grads(float s) {
-  params_->scale_grads(s);
-}
-void LineageCudaModel::pull_values() {
-  params_->pull();
-}
-void LineageCudaModel::push_values() {
-  params_->push();
-}
 void LineageCudaModel::report_profile(const std::string& title) const {
   engines_->timer.report(title);
 }
 
 void LineageCudaModel::reset_profile() {
   engines_->timer.reset();
-}
-
-std::vector<float> LineageCudaModel::gradient(const std::string& name) {
-  return params_->gradient(name);
-}
-
-std::unique_ptr<Optimizer> LineageCudaModel::make_optimizer(const AdamWConfig& config) {
-  require(config.lr > 0 && config.total_steps >= 1, "adamw: lr and total_steps must be positive");
-  params_->reset_moments();  // a new optimizer starts fresh, as the host AdamW does
-  return std::make_unique<DeviceAdamW>(*params_, config);
 }
 
 void LineageCudaModel::ensure_activations(int64_t R) {

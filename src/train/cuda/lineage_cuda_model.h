@@ -23,14 +23,13 @@
 #include "ops/attention/cuda/attention_cuda.h"
 #include "ops/delta_rule/cuda/delta_rule_cuda.h"
 #include "ops/linear_attn/cuda/linear_attn_cuda.h"
+#include "train/cuda/device_trainable.h"
 #include "train/lineage_model.h"
 #include "train/trainable_model.h"
 
 namespace kda::train::cuda {
 
-class DeviceParams;
-
-class LineageCudaModel final : public TrainableModel {
+class LineageCudaModel final : public DeviceTrainableModel {
  public:
   // Takes the host model (its params() stay the host mirrors of the device weights).
   explicit LineageCudaModel(std::unique_ptr<LineageModel> host);
@@ -39,14 +38,7 @@ class LineageCudaModel final : public TrainableModel {
   std::vector<Param*> params() override { return host_->params(); }
   StepResult forward_backward(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
                               bool backward, std::span<const int64_t> cu_seqlens = {}) override;
-  void zero_grad() override;
-  void scale_grads(float s) override;
-  std::unique_ptr<Optimizer> make_optimizer(const AdamWConfig& config) override;
-  void pull_values() override;
-  void push_values() override;
 
-  // The device gradient of a parameter (host copy, for checks).
-  std::vector<float> gradient(const std::string& name);
   const LineageConfig& config() const { return host_->config(); }
   // With KDA_CUDA_PROFILE set when the model was made: the time per stage of every step so far
   // (each stage boundary synchronises the stream), to stderr.
@@ -78,8 +70,6 @@ class LineageCudaModel final : public TrainableModel {
                                                             std::span<const int64_t> cu);
 
   std::unique_ptr<LineageModel> host_;
-  cudaStream_t stream_ = nullptr;
-  std::unique_ptr<DeviceParams> params_;
   std::unique_ptr<Engines> engines_;
   std::vector<Layer> layers_;
   std::unique_ptr<Activations> acts_;

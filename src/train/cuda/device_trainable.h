@@ -1,0 +1,40 @@
+// What the GPU trainable models share (LineageCudaModel, KimiCudaModel): a CUDA stream, the
+// parameters on the device (DeviceParams: fp32 values, gradients and AdamW moments, bf16
+// compute copies) and the TrainableModel calls that touch only those.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "train/cuda/device_params.h"
+#include "train/trainable_model.h"
+
+namespace kda::train::cuda {
+
+class DeviceTrainableModel : public TrainableModel {
+ public:
+  ~DeviceTrainableModel() override;  // after the derived model has freed its buffers
+
+  void zero_grad() override;
+  void scale_grads(float s) override;
+  // A new optimizer starts with zero moments, as the host AdamW does.
+  std::unique_ptr<Optimizer> make_optimizer(const AdamWConfig& config) override;
+  void pull_values() override;
+  void push_values() override;
+
+  // Host copies of a parameter's device gradient and value (checks).
+  std::vector<float> gradient(const std::string& name);
+  std::vector<float> value(const std::string& name);
+
+ protected:
+  DeviceTrainableModel();  // creates the stream; the derived model then fills params_
+  // Waits for the stream (a derived model's destructor, before its buffers go).
+  void synchronize() const;
+
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<DeviceParams> params_;
+};
+
+}  // namespace kda::train::cuda
