@@ -114,6 +114,17 @@ TEST(CliBench, RecallSeedsAverageAndListEveryRun) {
   EXPECT_EQ(distinct.size(), 6u);
   EXPECT_NEAR(cell["accuracy"].get<double>(), best_mean, 1e-12);  // the best lr's mean
   EXPECT_NE(r.output.find("mean over seeds"), std::string::npos) << r.output;
+  // recall.md also lists every learning rate's mean over seeds, each row its own rate's runs
+  const std::string md = slurp(out / "recall.md");
+  ASSERT_NE(md.find("By learning rate"), std::string::npos) << md;
+  for (const float lr : {3e-3f, 1e-2f}) {
+    double lr_sum = 0;
+    for (const auto& run_entry : runs)
+      if (run_entry["lr"].get<float>() == lr) lr_sum += run_entry["accuracy"].get<double>();
+    char row[64];
+    std::snprintf(row, sizeof row, "| delta | %.0e | %.1f%%", double(lr), 100 * lr_sum / 3);
+    EXPECT_NE(md.find(row), std::string::npos) << row << "\n" << md;
+  }
   EXPECT_EQ(run("bench recall --quick --seeds 0").status, 1);
 }
 

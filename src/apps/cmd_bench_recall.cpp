@@ -334,6 +334,7 @@ int cmd_bench_recall(const Args& args) {
     std::vector<double> per_seed;
   };
   std::map<std::string, Summary> best;
+  std::map<std::string, Summary> by_lr;     // every learning rate's, key + "/" + lr index
   std::map<std::string, double> best_mean;  // (the plot's input)
   nlohmann::json results = nlohmann::json::array();
   for (const std::string& task : task_names)
@@ -341,7 +342,8 @@ int cmd_bench_recall(const Args& args) {
       for (const MixerEntry& m : mixers) {
         const std::string key = m.name + "/" + task + "/" + std::to_string(T);
         Summary& top = best[key];
-        for (float lr : lrs) {
+        for (size_t li = 0; li < lrs.size(); ++li) {
+          const float lr = lrs[li];
           Summary here;
           here.lr = lr;
           for (const Cell& c : cells)
@@ -352,6 +354,7 @@ int cmd_bench_recall(const Args& args) {
           here.mean = sum / double(here.per_seed.size());
           here.min = *std::min_element(here.per_seed.begin(), here.per_seed.end());
           here.max = *std::max_element(here.per_seed.begin(), here.per_seed.end());
+          by_lr[key + "/" + std::to_string(li)] = here;
           if (here.mean > top.mean) top = here;
         }
         best_mean[key] = top.mean;
@@ -367,22 +370,45 @@ int cmd_bench_recall(const Args& args) {
   std::vector<std::string> header = {"mixer"};
   for (const std::string& task : task_names)
     for (int64_t T : lengths) header.push_back(task + " " + std::to_string(T));
+  const auto cell_text = [&](const Summary& c) {
+    std::string text = fmt(100 * c.mean, 1) + "%";
+    if (seeds > 1) text += " (" + fmt(100 * c.min, 1) + "-" + fmt(100 * c.max, 1) + ")";
+    return text;
+  };
   Table table(header);
   for (const MixerEntry& m : mixers) {
     std::vector<std::string> row = {m.name};
     for (const std::string& task : task_names)
-      for (int64_t T : lengths) {
-        const Summary& c = best[m.name + "/" + task + "/" + std::to_string(T)];
-        std::string text = fmt(100 * c.mean, 1) + "%";
-        if (seeds > 1) text += " (" + fmt(100 * c.min, 1) + "-" + fmt(100 * c.max, 1) + ")";
-        row.push_back(text);
-      }
+      for (int64_t T : lengths)
+        row.push_back(cell_text(best[m.name + "/" + task + "/" + std::to_string(T)]));
     table.add(row);
   }
   std::printf("\ntest accuracy (best lr%s), %.0f s\n",
               seeds > 1 ? "; mean over seeds (min-max)" : "", total.seconds());
   table.print();
   table.write(out_dir, "recall");
+  // With a sweep, every learning rate's cells too (a best-lr table hides how sharp the optimum
+  // is, and where a mixer learned at one rate only), appended to recall.md.
+  if (lrs.size() > 1) {
+    std::vector<std::string> lr_header = header;
+    lr_header.insert(lr_header.begin() + 1, "lr");
+    Table lr_table(lr_header);
+    for (const MixerEntry& m : mixers)
+      for (size_t li = 0; li < lrs.size(); ++li) {
+        char lr_text[16];
+        std::snprintf(lr_text, sizeof lr_text, "%.0e", double(lrs[li]));
+        std::vector<std::string> row = {m.name, lr_text};
+        for (const std::string& task : task_names)
+          for (int64_t T : lengths)
+            row.push_back(cell_text(
+                by_lr[m.name + "/" + task + "/" + std::to_string(T) + "/" + std::to_string(li)]));
+        lr_table.add(row);
+      }
+    std::printf("\nby learning rate:\n");
+    lr_table.print();
+    write_file_atomic(out_dir + "/recall.md",
+                      table.markdown() + "\nBy learning rate:\n\n" + lr_table.markdown());
+  }
   write_file_atomic(out_dir + "/recall.json", results.dump(1) + "\n");
   write_file_atomic(out_dir + "/recall.svg", svg_plot(task_names, lengths, mixers, best_mean));
   std::printf("wrote %s/recall.md, recall.csv, recall.json, recall_runs.jsonl, recall.svg\n",
