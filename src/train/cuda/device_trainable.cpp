@@ -1,5 +1,7 @@
 #include "train/cuda/device_trainable.h"
 
+#include <string>
+
 #include "core/error.h"
 #include "ops/common/device_buffer.h"
 
@@ -32,6 +34,37 @@ void DeviceTrainableModel::pull_values() {
 }
 void DeviceTrainableModel::push_values() {
   params_->push();
+}
+
+void DeviceTrainableModel::begin_step(const int32_t* inputs, const int32_t* targets, int64_t B,
+                                      int64_t T, std::span<const int64_t> cu_seqlens, int64_t V,
+                                      const std::string& what) {
+  require(B >= 1 && T >= 1, what + ": B and T must be >= 1");
+  document_segments(cu_seqlens, B, T, what);  // validates them
+  cu_seqlens_.assign(cu_seqlens.begin(), cu_seqlens.end());
+  for (int64_t r = 0; r < B * T; ++r) {
+    require(inputs[r] >= 0 && inputs[r] < V,
+            what + ": token id " + std::to_string(inputs[r]) + " is outside the vocabulary");
+    require(targets[r] >= -1 && targets[r] < V,
+            what + ": target " + std::to_string(targets[r]) + " is outside the vocabulary (or -1)");
+  }
+}
+
+StepResult DeviceTrainableModel::read_step_result(const k::DeviceBuffer& result,
+                                                  const char* what) const {
+  // read back after the backward is queued (a pageable copy would block the host until then)
+  struct {
+    float loss_sum;
+    int32_t correct, scored;
+  } host_result{};
+  k::check_cuda(cudaMemcpyAsync(&host_result, result.data(), 12, cudaMemcpyDeviceToHost, stream_),
+                "cudaMemcpyAsync (loss)");
+  k::check_cuda(cudaStreamSynchronize(stream_), what);
+  StepResult r;
+  r.scored = host_result.scored;
+  r.correct = host_result.correct;
+  r.loss = host_result.scored > 0 ? double(host_result.loss_sum) / host_result.scored : 0.0;
+  return r;
 }
 
 std::unique_ptr<Optimizer> DeviceTrainableModel::make_optimizer(const AdamWConfig& config) {

@@ -4,7 +4,9 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -32,9 +34,17 @@ class DeviceTrainableModel : public TrainableModel {
   DeviceTrainableModel();  // creates the stream; the derived model then fills params_
   // Waits for the stream (a derived model's destructor, before its buffers go).
   void synchronize() const;
+  // The checks at the top of forward_backward: B, T >= 1, valid documents (kept in
+  // cu_seqlens_), every input id in [0, V) and every target in [-1, V) (-1: not scored).
+  void begin_step(const int32_t* inputs, const int32_t* targets, int64_t B, int64_t T,
+                  std::span<const int64_t> cu_seqlens, int64_t V, const std::string& what);
+  // The step's {loss sum, correct, scored} (a device float and two int32s), read back after the
+  // queued work; waits for the stream. `what` names the model in errors.
+  StepResult read_step_result(const ops::cuda::DeviceBuffer& result, const char* what) const;
 
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<DeviceParams> params_;
+  std::vector<int64_t> cu_seqlens_;  // this call's packed documents (empty: B rows of T)
 };
 
 }  // namespace kda::train::cuda

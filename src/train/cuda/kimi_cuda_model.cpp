@@ -351,17 +351,7 @@ StepResult KimiCudaModel::forward_backward(const int32_t* inputs, const int32_t*
                                            std::span<const int64_t> cu_seqlens) {
   const model::KimiLinearConfig& c = c_;
   const int64_t D = c.hidden_size, V = c.vocab_size, R = B * T, NL = int64_t(layers_.size());
-  require(B >= 1 && T >= 1, "kimi_linear (cuda): B and T must be >= 1");
-  document_segments(cu_seqlens, B, T, "kimi_linear (cuda)");  // validates them
-  cu_seqlens_.assign(cu_seqlens.begin(), cu_seqlens.end());
-  for (int64_t r = 0; r < R; ++r) {
-    require(
-        inputs[r] >= 0 && inputs[r] < V,
-        "kimi_linear (cuda): token id " + std::to_string(inputs[r]) + " is outside the vocabulary");
-    require(targets[r] >= -1 && targets[r] < V, "kimi_linear (cuda): target " +
-                                                    std::to_string(targets[r]) +
-                                                    " is outside the vocabulary (or -1)");
-  }
+  begin_step(inputs, targets, B, T, cu_seqlens, V, "kimi_linear (cuda)");
   ensure_activations(R);
   Activations& a = *acts_;
   k::Gemm& gemm = engines_->gemm;
@@ -461,19 +451,7 @@ StepResult KimiCudaModel::forward_backward(const int32_t* inputs, const int32_t*
     }
     k::embedding_backward(a.ids.as<int32_t>(), dh, R, D, V, embed.g(), scratch, s);
   }
-  // read back after the backward is queued (a pageable copy would block the host until then)
-  struct {
-    float loss_sum;
-    int32_t correct, scored;
-  } host_result{};
-  check_cuda(cudaMemcpyAsync(&host_result, a.result.data(), 12, cudaMemcpyDeviceToHost, s),
-             "cudaMemcpyAsync (loss)");
-  check_cuda(cudaStreamSynchronize(s), "kimi_linear (cuda): step");
-  StepResult result;
-  result.scored = host_result.scored;
-  result.correct = host_result.correct;
-  result.loss = host_result.scored > 0 ? double(host_result.loss_sum) / host_result.scored : 0.0;
-  return result;
+  return read_step_result(a.result, "kimi_linear (cuda): step");
 }
 
 }  // namespace kda::train::cuda

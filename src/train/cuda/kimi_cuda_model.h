@@ -84,7 +84,6 @@ class KimiCudaModel final : public DeviceTrainableModel {
   std::unique_ptr<Engines> engines_;
   std::vector<Layer> layers_;
   std::unique_ptr<Activations> acts_;
-  std::vector<int64_t> cu_seqlens_;  // this call's packed documents (empty: B rows of T)
 };
 
 }  // namespace kda::train::cuda

@@ -14,6 +14,7 @@
 #include "ops/nn/cuda/train_cuda.h"
 #include "train/cuda/device_params.h"
 #include "train/cuda/lineage_cuda_model.h"
+#include "train/cuda/mla_train.h"
 #include "train/cuda/training_helpers.h"
 
 namespace kda::train::cuda {
@@ -23,16 +24,9 @@ namespace lineage_detail {
 using namespace training_helpers;  // k, Entry, kF32, kBf16, offset, linear_backward, ...
 
 // The sizes of a lineage MLA layer (LineageConfig: Kimi's 128 / 64 / 128 / 512 at head_dim 128).
-struct MlaSizes {
-  int64_t nope, rope, v, latent, qk, row;
-  explicit MlaSizes(int64_t head_dim)
-      : nope(head_dim),
-        rope(head_dim / 2 > 1 ? head_dim / 2 : 1),
-        v(head_dim),
-        latent(4 * head_dim),
-        qk(nope + rope),
-        row(latent + rope) {}
-};
+inline mla_train::Shape mla_shape(int64_t heads, int64_t head_dim) {
+  return {heads, head_dim, head_dim / 2 > 1 ? head_dim / 2 : 1, head_dim, 4 * head_dim};
+}
 
 }  // namespace lineage_detail
 

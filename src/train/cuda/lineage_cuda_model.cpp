@@ -104,7 +104,7 @@ void LineageCudaModel::ensure_activations(int64_t R) {
     p.inv1 = f32(R);
     p.a_c = bf(R * d);
     if (L.kind == MixerKind::mla) {
-      const MlaSizes m(c.head_dim);
+      const mla_train::Shape m = mla_shape(H, c.head_dim);
       p.q_c = bf(R * H * m.qk);
       p.k_c = bf(R * H * m.qk);
       p.v_c = bf(R * inner);
@@ -168,7 +168,7 @@ void LineageCudaModel::ensure_activations(int64_t R) {
   a->dh = f32(R * d);
   a->dtmp = f32(R * d);
   a->dan = f32(R * d);
-  const MlaSizes m(c.head_dim);  // (MLA layers only)
+  const mla_train::Shape m = mla_shape(H, c.head_dim);  // (MLA layers only)
   a->dy_c = bf(R * std::max({V, 2 * F, d, 2 * inner, m.row}));
   a->d32a = f32(R * inner);
   a->dact_c = bf(R * F);
@@ -496,17 +496,7 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
   const LineageConfig& c = host_->config();
   const int64_t d = c.width, H = c.heads, dh = c.head_dim, inner = H * dh, F = c.mlp_hidden,
                 V = c.vocab, R = B * T, L = int64_t(layers_.size());
-  require(B >= 1 && T >= 1, "lineage model (cuda): B and T must be >= 1");
-  document_segments(cu_seqlens, B, T, "lineage model (cuda)");  // validates them
-  cu_seqlens_.assign(cu_seqlens.begin(), cu_seqlens.end());
-  for (int64_t r = 0; r < R; ++r) {
-    require(inputs[r] >= 0 && inputs[r] < V, "lineage model (cuda): token id " +
-                                                 std::to_string(inputs[r]) +
-                                                 " is outside the vocabulary");
-    require(targets[r] >= -1 && targets[r] < V, "lineage model (cuda): target " +
-                                                    std::to_string(targets[r]) +
-                                                    " is outside the vocabulary (or -1)");
-  }
+  begin_step(inputs, targets, B, T, cu_seqlens, V, "lineage model (cuda)");
   ensure_activations(R);
   Activations& a = *acts_;
   k::Gemm& gemm = engines_->gemm;
@@ -662,19 +652,7 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
     k::embedding_backward(a.ids.as<int32_t>(), dh, R, d, V, embed.g(), scratch, s);
     timer.mark(s, "b.embedding");
   }
-  // read back after the backward is queued (a pageable copy would block the host until then)
-  struct {
-    float loss_sum;
-    int32_t correct, scored;
-  } host_result{};
-  check_cuda(cudaMemcpyAsync(&host_result, a.result.data(), 12, cudaMemcpyDeviceToHost, s),
-             "cudaMemcpyAsync (loss)");
-  check_cuda(cudaStreamSynchronize(s), "lineage model (cuda): step");
-  StepResult result;
-  result.scored = host_result.scored;
-  result.correct = host_result.correct;
-  result.loss = host_result.scored > 0 ? double(host_result.loss_sum) / host_result.scored : 0.0;
-  return result;
+  return read_step_result(a.result, "lineage model (cuda): step");
 }
 
 }  // namespace kda::train::cuda
