@@ -15,8 +15,9 @@
 // see: S = Q K^T, P = exp2(S scale log2(e) - lse2), dP = dO V^T, dS = P (dP - delta),
 // dQ += dS K. Query tiles run heaviest first.
 //
-// Both kernels run the batch in grid z: sequence b = blockIdx.z reads q / k / v at the batch
-// strides, lse2 / delta / d_o and writes dq / dk / dv at its dense offsets.
+// Both kernels take tiles heaviest first over the whole grid (attention_tile_grid); sequence b
+// reads q / k / v at the batch strides, lse2 / delta / d_o and writes dq / dk / dv at its dense
+// offsets.
 //
 // Head dims are zero-padded inside to the instantiation's DKP / DVP (zero Q / K columns add
 // nothing to S, zero V / dO columns nothing to dP; pad columns are never written); padded query
@@ -107,9 +108,11 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(AttentionB
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
-  const int64_t key0 = int64_t(blockIdx.x) * kKeys;
-  const int kvh = blockIdx.y;
-  const int64_t b = blockIdx.z;  // the sequence
+  // The first key tile is the heaviest (every query sees it).
+  const AttentionBlockTile at = attention_block_tile(p.Hkv, p.batch);
+  const int64_t key0 = at.rank * kKeys;
+  const int kvh = at.head;
+  const int64_t b = at.seq;  // the sequence
   const int Dk = p.Dk, Dv = p.Dv, group = p.group;
   const int keys_valid = int(min(int64_t(kKeys), p.Tk - key0));
 
@@ -295,9 +298,11 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(AttentionBwd
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
-  const int64_t q0 = int64_t(gridDim.x - 1 - blockIdx.x) * BM;  // heaviest tiles first
-  const int h = blockIdx.y;
-  const int64_t b = blockIdx.z;  // the sequence
+  const AttentionBlockTile at = attention_block_tile(p.Hq, p.batch);
+  const int64_t tiles = (p.Tq + BM - 1) / BM;
+  const int64_t q0 = (tiles - 1 - at.rank) * BM;  // the last query tile is the heaviest
+  const int h = at.head;
+  const int64_t b = at.seq;  // the sequence
   const int kvh = h / p.group;
   const int Dk = p.Dk, Dv = p.Dv;
   const int warp_row0 = warp * 16 * MT;  // this warp's first row in the block
@@ -495,7 +500,7 @@ bool launch(const AttentionBwdParams& p, cudaStream_t stream) {
   check_cuda(
       cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_dkdv)),
       "cudaFuncSetAttribute (attention_bwd_dkdv_kernel)");
-  const dim3 dkdv_grid(unsigned((p.Tk + kKeys - 1) / kKeys), unsigned(p.Hkv), unsigned(p.batch));
+  const dim3 dkdv_grid = attention_tile_grid((p.Tk + kKeys - 1) / kKeys, p.Hkv, p.batch);
   dkdv<<<dkdv_grid, kThreads, smem_dkdv, stream>>>(p);
   check_launch("attention_bwd_dkdv_kernel");
 
@@ -503,7 +508,7 @@ bool launch(const AttentionBwdParams& p, cudaStream_t stream) {
   check_cuda(cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_dq)),
              "cudaFuncSetAttribute (attention_bwd_dq_kernel)");
   constexpr int rows = 16 * MT * kWarps;
-  const dim3 dq_grid(unsigned((p.Tq + rows - 1) / rows), unsigned(p.Hq), unsigned(p.batch));
+  const dim3 dq_grid = attention_tile_grid((p.Tq + rows - 1) / rows, p.Hq, p.batch);
   dq<<<dq_grid, kThreads, smem_dq, stream>>>(p);
   check_launch("attention_bwd_dq_kernel");
   return true;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <string_view>
 
 #include "core/error.h"
 #include "ops/attention/cuda/attention_kernels.cuh"
@@ -63,6 +64,17 @@ bool attention_wide_rows(int64_t Tq, int Hq, int batch) {
   if (forced == 16 || forced == 32) return forced == 32;
   const int64_t blocks = (Tq + 127) / 128 * int64_t(Hq) * batch;
   return Tq >= 128 && blocks >= 3 * int64_t(attention_sm_count());
+}
+
+dim3 attention_tile_grid(int64_t tiles, int heads, int batch) {
+  static const bool heads_first = [] {
+    const char* order = std::getenv("KDA_ATTENTION_ORDER");
+    return order != nullptr && std::string_view(order) == "heads";
+  }();
+  const int64_t blocks = tiles * heads * batch;
+  if (heads_first || blocks > int64_t(0x7fffffff))
+    return dim3(unsigned(tiles), unsigned(heads), unsigned(batch));
+  return dim3(unsigned(blocks));
 }
 
 }  // namespace kda::ops::cuda_detail

@@ -2,7 +2,8 @@
 // kernel reads and the launchers of the three kernel families.
 //
 // Rows: a query row is (t, h) with index t * Hq + h, the row of o [Tq, Hq, Dv] of its sequence.
-// Batch: the direct kernels (prefill, plain with nsplit == 0) run sequence b = blockIdx.z at
+// Batch: the direct kernels (prefill, plain with nsplit == 0) run sequence b (blockIdx.z, or
+// attention_block_tile's seq for the tiled ones) at
 // q + b * q_bstride, ... (elements, resolved: never 0); the split decode path has batch == 1.
 // Split partial results (decode) live in the workspace as acc [nsplit][Tq * Hq][Dv]
 // (unnormalised, relative to the row's running max), then m [nsplit][Tq * Hq] (natural-log
@@ -71,7 +72,29 @@ __device__ __forceinline__ void write_empty_partial(const AttentionParams& p, in
   p.part_m[prow] = -INFINITY;
   p.part_l[prow] = 0.f;
 }
+
+// Where a block of the tiled kernels (prefill, backward) sits: its tile's rank in the order the
+// kernel walks tiles (0 = heaviest), its head and its sequence. attention_tile_grid puts the
+// rank in the slowest part of blockIdx.x (x = rank * heads * batch + seq * heads + head), so the
+// heaviest tile of every (head, sequence) launches before any lighter one: longest-processing-
+// time order over the whole grid. With the rank alone in x (head in y, sequence in z:
+// KDA_ATTENTION_ORDER=heads, kept for side-by-side timing) the last wave holds the heavy tiles
+// of the last heads. Decoding both layouts: pairs in x is heads * batch only when y and z are 1.
+struct AttentionBlockTile {
+  int64_t rank;
+  int head;
+  int64_t seq;
+};
+__device__ __forceinline__ AttentionBlockTile attention_block_tile(int heads, int batch) {
+  const int64_t pairs = gridDim.y * gridDim.z == 1 ? int64_t(heads) * batch : 1;
+  const int64_t rest = int64_t(blockIdx.x) % pairs;
+  return {int64_t(blockIdx.x) / pairs, int(rest % heads) + int(blockIdx.y),
+          rest / heads + int64_t(blockIdx.z)};
+}
 #endif
+
+// The grid of a tiled kernel with `tiles` tiles per (head, sequence); see AttentionBlockTile.
+dim3 attention_tile_grid(int64_t tiles, int heads, int batch);
 
 constexpr int kAttentionKeyTile = 64;      // keys per tile in the tensor-core kernels
 constexpr int kAttentionBulkKeyTile = 32;  // keys per tile of the bulk-copy decode kernel

@@ -8,8 +8,8 @@
 // reduced over the quad of lanes sharing a row), P repacked from the S accumulators straight
 // into A fragments (bf16), O += P V. Head dims are zero-padded inside: Dk to a multiple of 16
 // (zero Q / K columns add nothing), Dv to the instantiation's DVP (pad columns are not written).
-// Query tiles run heaviest (last) first so the causal triangle balances over the SMs.
-// Grid: (query tiles, Hq, batch); sequence b = blockIdx.z reads and writes at its batch strides.
+// Query tiles run heaviest (last) first over the whole grid so the causal triangle balances over
+// the SMs (attention_tile_grid); sequence b reads and writes at its batch strides.
 //
 // Fast-path requirements (else the caller falls back to the generic kernel): Dk, Dv and the
 // three row strides (and batch strides) multiples of 8 elements, q / k / v 16-byte aligned, the
@@ -70,9 +70,11 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(AttentionPa
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
-  const int64_t q0 = int64_t(gridDim.x - 1 - blockIdx.x) * BM;  // heaviest tiles first
-  const int h = blockIdx.y;
-  const int64_t b = blockIdx.z;  // the sequence
+  const AttentionBlockTile at = attention_block_tile(p.Hq, p.batch);
+  const int64_t tiles = (p.Tq + BM - 1) / BM;
+  const int64_t q0 = (tiles - 1 - at.rank) * BM;  // the last query tile is the heaviest
+  const int h = at.head;
+  const int64_t b = at.seq;
   const int kvh = h / p.group;
   const int Dk = p.Dk, Dv = p.Dv;
   const int warp_row0 = warp * 16 * MT;  // this warp's first row in the block
@@ -304,7 +306,7 @@ bool launch(const AttentionParams& p, int dkp, cudaStream_t stream) {
   auto kernel = attention_prefill_kernel<DKQ, DVP, MT>;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
              "cudaFuncSetAttribute (attention_prefill_kernel)");
-  const dim3 grid(unsigned((p.Tq + rows - 1) / rows), unsigned(p.Hq), unsigned(p.batch));
+  const dim3 grid = attention_tile_grid((p.Tq + rows - 1) / rows, p.Hq, p.batch);
   kernel<<<grid, kThreads, smem, stream>>>(p, dkp);
   check_launch("attention_prefill_kernel");
   return true;
