@@ -63,7 +63,9 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(AttentionPa
   constexpr int BM = 16 * MT * kWarps;         // queries per block
   constexpr int SN = MT == 1 ? kBN : kBN / 2;  // keys per sub-tile
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int ldk = dkp + kPad, ldv = DVP + kPad;
+  // compile-time strides when the head dim is (the ldmatrix offsets become immediates)
+  const int ldk = (DKQ > 0 ? DKQ : dkp) + kPad;
+  constexpr int ldv = DVP + kPad;
   bf16* Qs = reinterpret_cast<bf16*>(smem_raw);  // [BM][ldk]
   bf16* Ks = Qs + BM * ldk;                      // [2][kBN][ldk]
   bf16* Vs = Ks + 2 * kBN * ldk;                 // [2][kBN][ldv]
@@ -87,7 +89,7 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(AttentionPa
       static_cast<const bf16*>(p.q) + b * p.q_bstride + q0 * p.q_stride + int64_t(h) * Dk;
   const bf16* kbase = static_cast<const bf16*>(p.k) + b * p.k_bstride + int64_t(kvh) * Dk;
   const bf16* vbase = static_cast<const bf16*>(p.v) + b * p.v_bstride + int64_t(kvh) * Dv;
-  const int kchunks = dkp / 8, kchunks_valid = Dk / 8;
+  const int kchunks = (DKQ > 0 ? DKQ : dkp) / 8, kchunks_valid = Dk / 8;
   const int vchunks = DVP / 8, vchunks_valid = Dv / 8;
 
   auto load_kv = [&](int tile, int buf) {
@@ -182,24 +184,29 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(AttentionPa
         for (int ks = 0; ks < dkp / 16; ++ks) s_step(ks);
       }
 
-      // Scale into log2 units; mask keys past a row's position (and past Tk); online softmax.
+      // Mask keys past a row's position (and past Tk), then the online softmax in log2 units:
+      // the row max is taken on the raw scores (scale > 0 keeps the order, and
+      // fl(max s * c) = max fl(s * c)), so each probability is one FMA and one exp2.
       const int64_t key0 = int64_t(j) * kBN + sub0;
       const bool need_mask = key0 + SN - 1 > p.q_offset + q0 || key0 + SN > p.Tk;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
+        // the last visible key of rows g and g + 8, relative to key0 (clamped into [-1, SN])
+        int last[2] = {SN, SN};
+        if (need_mask) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int64_t qpos = qpos_base + 16 * mt + 8 * r;
+            last[r] = int(max(int64_t(-1), min(int64_t(SN), min(qpos, p.Tk - 1) - key0)));
+          }
+        }
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int n = 0; n < SN / 8; ++n) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            float val = s[mt][n][e] * scale_log2;
-            if (need_mask) {
-              const int64_t key = key0 + n * 8 + 2 * t4 + (e & 1);
-              const int64_t qpos = qpos_base + 16 * mt + ((e < 2) ? 0 : 8);
-              if (key > qpos || key >= p.Tk) val = -INFINITY;
-            }
-            s[mt][n][e] = val;
-            mx[e >> 1] = fmaxf(mx[e >> 1], val);
+            if (need_mask && n * 8 + 2 * t4 + (e & 1) > last[e >> 1]) s[mt][n][e] = -INFINITY;
+            mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][n][e]);
           }
         }
         float alpha[2], m_use[2];
@@ -207,7 +214,7 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(AttentionPa
         for (int r = 0; r < 2; ++r) {
           mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
           mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-          const float m_new = fmaxf(m_run[mt][r], mx[r]);
+          const float m_new = fmaxf(m_run[mt][r], mx[r] * scale_log2);
           m_use[r] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet
           alpha[r] = fast_exp2(m_run[mt][r] - m_use[r]);
           m_run[mt][r] = m_new;
@@ -217,19 +224,23 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(AttentionPa
         for (int n = 0; n < SN / 8; ++n) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float pv = fast_exp2(s[mt][n][e] - m_use[e >> 1]);
+            const float pv = fast_exp2(fmaf(s[mt][n][e], scale_log2, -m_use[e >> 1]));
             s[mt][n][e] = pv;
             rowsum[e >> 1] += pv;
           }
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) l_run[mt][r] = l_run[mt][r] * alpha[r] + rowsum[r];
+        // Rescale O only when a row's max moved (multiplying by exactly 1 changes nothing): past
+        // the first tiles most rows keep their max, and the rescale is one FMUL per product.
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-        for (int n = 0; n < DVP / 8; ++n) {
-          o[mt][n][0] *= alpha[0];
-          o[mt][n][1] *= alpha[0];
-          o[mt][n][2] *= alpha[1];
-          o[mt][n][3] *= alpha[1];
+          for (int n = 0; n < DVP / 8; ++n) {
+            o[mt][n][0] *= alpha[0];
+            o[mt][n][1] *= alpha[0];
+            o[mt][n][2] *= alpha[1];
+            o[mt][n][3] *= alpha[1];
+          }
         }
       }
 
