@@ -6,7 +6,8 @@
 // run bit-identical to the first.
 // Cases: T = 1, 65, 300, 1000 x (H = 4, GQA 8 / 2) x D = 64, 128; chunked (q_offset) and a cache
 // longer than the queries see (keys no query sees: gradients 0); strided q; Dk != Dv; dims not a
-// multiple of 8 (bf16 falls back to the plain kernels). Bad arguments throw.
+// multiple of 8 (bf16 falls back to the plain kernels); o written in bf16 (o_bf16: GQA cases,
+// the plain kernels too) and read back by the backward. Bad arguments throw.
 // Batch (AttentionArgs::batch = 3 over packed qkv rows with a gap between sequences; T = 1, 17,
 // 200, Hq = 4, Hkv = 2, D = 64 and 128 (o and lse batch-strided too), GPT-2 T = 256 H = 12):
 // forward o, lse and backward dq, dk, dv bit-identical to one call per sequence.
@@ -120,13 +121,14 @@ struct Problem {
   cu::AttentionArgs args;
 };
 
-Problem make_problem(const Case& c, ElementType type) {
+// o_bf16: the forward writes o in bf16 (AttentionArgs::o_bf16) and the backward reads it there.
+Problem make_problem(const Case& c, ElementType type, bool o_bf16 = false) {
   Problem pr;
   pr.q = to_device(random_values(size_t(c.Tq * q_stride_of(c)), fresh_seed(), 2.f), type);
   pr.k = to_device(random_values(size_t(c.Tk * c.Hkv * c.Dk), fresh_seed()), type);
   pr.v = to_device(random_values(size_t(c.Tk * c.Hkv * c.Dv), fresh_seed()), type);
   pr.d_o = to_device(random_values(size_t(c.Tq * c.Hq * c.Dv), fresh_seed()), type);
-  pr.o.resize(size_t(c.Tq * c.Hq * c.Dv) * sizeof(float));
+  pr.o.resize(size_t(c.Tq * c.Hq * c.Dv) * (o_bf16 ? 2 : sizeof(float)));
   pr.lse.resize(size_t(c.Tq * c.Hq) * sizeof(float));
   cu::AttentionArgs& a = pr.args;
   a.dtype = type;
@@ -141,7 +143,10 @@ Problem make_problem(const Case& c, ElementType type) {
   a.v = pr.v.data();
   a.q_row_stride = c.q_pad ? q_stride_of(c) : 0;
   a.q_offset = c.q_offset;
-  a.o = pr.o.as<float>();
+  if (o_bf16)
+    a.o_bf16 = pr.o.data();
+  else
+    a.o = pr.o.as<float>();
   a.lse = pr.lse.as<float>();
   return pr;
 }
@@ -174,10 +179,10 @@ bool same_bytes(const DeviceBuffer& a, const DeviceBuffer& b) {
   return ha.size() == hb.size() && std::memcmp(ha.data(), hb.data(), ha.size()) == 0;
 }
 
-void run_case(const Case& c, ElementType type, Tally& tally) {
+void run_case(const Case& c, ElementType type, Tally& tally, bool o_bf16 = false) {
   const bool f32 = type == ElementType::f32;
-  const std::string tag = " " + c.name + (f32 ? " f32" : " bf16");
-  Problem pr = make_problem(c, type);
+  const std::string tag = " " + c.name + (f32 ? " f32" : " bf16") + (o_bf16 ? " o_bf16" : "");
+  Problem pr = make_problem(c, type, o_bf16);
   poison(pr.o.data(), pr.o.bytes());
   poison(pr.lse.data(), pr.lse.bytes());
   DeviceBuffer fwd_workspace(cu::attention_workspace_bytes(pr.args));
@@ -187,13 +192,14 @@ void run_case(const Case& c, ElementType type, Tally& tally) {
   const Reference ref = reference(c, pr.q.rounded, pr.k.rounded, pr.v.rounded, pr.d_o.rounded,
                                   1.0 / std::sqrt(double(c.Dk)));
   const std::vector<double> lse = from_device(pr.lse.data(), size_t(c.Tq * c.Hq), ElementType::f32);
-  const std::vector<double> o =
-      from_device(pr.o.data(), size_t(c.Tq * c.Hq * c.Dv), ElementType::f32);
+  const std::vector<double> o = from_device(pr.o.data(), size_t(c.Tq * c.Hq * c.Dv),
+                                            o_bf16 ? ElementType::bf16 : ElementType::f32);
   report(tally, "attention_bwd lse" + tag, rel_error(lse, ref.lse), f32 ? 1e-5 : 1e-3);
-  report(tally, "attention_bwd o" + tag, rel_error(o, ref.o), f32 ? 1e-5 : 1e-2);
+  // (a bf16 o is the fp32 result rounded: 2^-9 relative at most)
+  report(tally, "attention_bwd o" + tag, rel_error(o, ref.o), f32 && !o_bf16 ? 1e-5 : 1e-2);
 
   const Grads g = run_backward(c, pr, type);
-  const double tol = f32 ? 1e-5 : 2e-2;
+  const double tol = f32 && !o_bf16 ? 1e-5 : 2e-2;
   report(tally, "attention_bwd dq" + tag,
          rel_error(from_device(g.dq.data(), ref.dq.size(), type), ref.dq), tol);
   report(tally, "attention_bwd dk" + tag,
@@ -482,6 +488,30 @@ void check_bad_arguments(Tally& tally) {
              ? 0.0
              : 1.0,
          0.0);
+  // o and o_bf16: exactly one of them; a bf16 o only on the direct paths (not split decode)
+  Problem pb = make_problem(c, ElementType::bf16, true);
+  cu::AttentionArgs both = pb.args;
+  both.o = pr.o.as<float>();
+  report(tally, "attention forward rejects o and o_bf16 together",
+         throws([&] { cu::attention_forward(both, nullptr, 0, nullptr); }) ? 0.0 : 1.0, 0.0);
+  report(tally, "attention_bwd rejects o and o_bf16 together",
+         throws([&] {
+           cu::attention_backward(both, pb.lse.as<float>(), pb.d_o.data(), gp, gp + 4096, gp + 8192,
+                                  workspace.data(), need, nullptr);
+         })
+             ? 0.0
+             : 1.0,
+         0.0);
+  cu::AttentionArgs split = pb.args;  // 4 queries after 12 keys, no lse: the split decode path
+  split.Tq = 4;
+  split.q_offset = 12;
+  split.lse = nullptr;
+  DeviceBuffer split_ws(cu::attention_workspace_bytes(split));
+  report(tally, "attention forward rejects o_bf16 on the split decode path",
+         throws([&] { cu::attention_forward(split, split_ws.data(), split_ws.bytes(), nullptr); })
+             ? 0.0
+             : 1.0,
+         0.0);
 }
 
 void bench(int64_t T, int64_t H, int64_t D) {
@@ -514,6 +544,11 @@ void run_suite(const SuiteOptions& options, Tally& tally) {
     for (const Case& c : check_cases()) {
       run_case(c, ElementType::f32, tally);
       run_case(c, ElementType::bf16, tally);
+      // bf16 o: the tensor-core kernels (bf16) and the plain kernel (f32, dims not x8)
+      if (c.Tq >= 65 && (c.Hq != c.Hkv || c.Dk % 8 != 0)) {
+        run_case(c, ElementType::bf16, tally, true);
+        if (c.Dk % 8 != 0) run_case(c, ElementType::f32, tally, true);
+      }
     }
     check_bad_arguments(tally);
     for (const BatchShape& c : batch_shapes()) {

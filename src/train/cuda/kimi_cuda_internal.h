@@ -70,9 +70,9 @@ struct KimiCudaModel::PerLayer {
   // KDA: q, k, v projections fp32 [R, 3 HK]; conv outputs (bf16); f_a x, g_a x (bf16 [R, K]);
   // graw (bf16), the output gate (fp32), beta's pre-activation (bf16), the kernel's output
   // MLA: q_c, k_c ([R, H, qk]), v_c, the kv_a rows fp32, the latent before and after its norm,
-  // its inverse RMS, the attention output (fp32) and lse
+  // its inverse RMS and lse (the attention writes its output to o_c in bf16)
   ops::cuda::DeviceBuffer qkv32, q_c, k_c, v_c, fa_c, ga_c, g_c, gate32, b_c, kda_o_c;
-  ops::cuda::DeviceBuffer rows32, lat32, inv_lat, latn_c, o32, lse;
+  ops::cuda::DeviceBuffer rows32, lat32, inv_lat, latn_c, lse;
   // Dense MLP: [gate | up] fp32 [R, 2 F], the hidden (bf16)
   ops::cuda::DeviceBuffer up32, act_c;
   // MoE: router logits fp32 [R, E], ids / weights [R, top_k], the uploaded index, the gathered

@@ -200,7 +200,6 @@ void KimiCudaModel::ensure_activations(int64_t R) {
       p.lat32 = f32(R * lat);
       p.inv_lat = f32(R);
       p.latn_c = bf(R * lat);
-      p.o32 = f32(R * MH * mv);
       p.lse = f32(R * MH);
     }
     if (L.moe) {
@@ -309,7 +308,7 @@ size_t KimiCudaModel::workspace_bytes(int64_t B, int64_t T, bool backward) const
       args.q = P.q_c.data();
       args.k = P.k_c.data();
       args.v = P.v_c.data();
-      args.o = P.o32.as<float>();
+      args.o_bf16 = P.o_c.data();
       args.lse = P.lse.as<float>();  // set, as the calls have it (the direct path)
       args.batch = batch;
       workspace = std::max({workspace, k::attention_workspace_bytes(args),

@@ -112,7 +112,6 @@ void LineageCudaModel::ensure_activations(int64_t R) {
       p.lat32 = f32(R * m.latent);
       p.inv_lat = f32(R);
       p.latn_c = bf(R * m.latent);
-      p.o32 = f32(R * inner);
       p.lse = f32(R * H);
     } else if (L.kind == MixerKind::softmax) {
       // one GEMM into bf16 rows [q | k | v] (read in place by the attention kernels), from
@@ -129,10 +128,7 @@ void LineageCudaModel::ensure_activations(int64_t R) {
       // into qkv32, and one product back over all the projections' gradients
       if (L.delta_family()) p.wqkv_c = bf((L.kind == MixerKind::kda ? 4 : 3) * inner * d);
     }
-    if (L.kind == MixerKind::softmax) {
-      p.o32 = f32(R * inner);
-      p.lse = f32(R * H);
-    }
+    if (L.kind == MixerKind::softmax) p.lse = f32(R * H);
     if (L.kind == MixerKind::linear) {  // dense fp32 q, k, v and o for the fp32 kernels
       p.qa32 = f32(R * inner);
       p.ka32 = f32(R * inner);
@@ -227,7 +223,7 @@ ops::cuda::AttentionArgs LineageCudaModel::attention_args(const PerLayer& P, int
   args.k = offset(P.qkv_c, r0 * 3 * inner + inner, 2);
   args.v = offset(P.qkv_c, r0 * 3 * inner + 2 * inner, 2);
   args.q_row_stride = args.k_row_stride = args.v_row_stride = 3 * inner;
-  args.o = offset<float>(P.o32, r0 * inner, 4);
+  args.o_bf16 = offset(P.o_c, r0 * inner, 2);  // bf16: the output projection's input
   args.lse = offset<float>(P.lse, r0 * H, 4);
   args.batch = batch;
   return args;
@@ -307,8 +303,6 @@ void LineageCudaModel::mixer_forward(Layer& L, int64_t l, int64_t B, int64_t T) 
       k::attention_forward(args, a.workspace.data(), a.workspace.bytes(), s);
     });
     engines_->timer.mark(s, "f.attention");
-    k::convert(P.o32.data(), kF32, P.o_c.data(), kBf16, R * inner, s);
-    engines_->timer.mark(s, "f.rope_cast");
     return;
   }
   // q, k, v projections: fp32 column blocks of qkv32 [R, 3 inner]

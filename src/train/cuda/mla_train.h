@@ -59,7 +59,7 @@ k::AttentionArgs attention_args(const PerLayer& P, const Shape& m, int64_t r0, i
   args.q = offset(P.q_c, r0 * m.H * m.qk, 2);
   args.k = offset(P.k_c, r0 * m.H * m.qk, 2);
   args.v = offset(P.v_c, r0 * m.H * m.v, 2);
-  args.o = offset<float>(P.o32, r0 * m.H * m.v, 4);
+  args.o_bf16 = offset(P.o_c, r0 * m.H * m.v, 2);  // the output projection's input
   args.lse = offset<float>(P.lse, r0 * m.H, 4);
   args.batch = batch;
   return args;
@@ -91,7 +91,6 @@ void forward(const Context& x, const Weights& W, const Shape& m, PerLayer& P, Ac
   for_each_attention(x.B, x.T, x.cu_seqlens, [&](int64_t r0, int64_t len, int64_t batch) {
     k::attention_forward(attention_args(P, m, r0, len, batch), x.workspace, x.workspace_bytes, s);
   });
-  k::convert(P.o32.data(), kF32, P.o_c.data(), kBf16, R * H * m.v, s);
 }
 
 // Reads the output projection's input gradient in a.do_c; writes the normed input's gradient

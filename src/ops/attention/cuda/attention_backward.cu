@@ -83,8 +83,9 @@ void attention_backward(const AttentionArgs& args, const float* lse, const void*
         "layout.dk_row_stride must be 0 or >= Hkv * Dk");
   check(layout.dv_row_stride == 0 || layout.dv_row_stride >= args.Hkv * args.Dv,
         "layout.dv_row_stride must be 0 or >= Hkv * Dv");
-  check(args.q != nullptr && args.k != nullptr && args.v != nullptr && args.o != nullptr,
-        "args.q, k, v and o (the forward's output) must be device pointers (got null)");
+  check(args.q != nullptr && args.k != nullptr && args.v != nullptr &&
+            (args.o != nullptr) != (args.o_bf16 != nullptr),
+        "args.q, k, v and one of o / o_bf16 (the forward's output) must be device pointers");
   check(lse != nullptr && d_o != nullptr, "lse and d_o must be device pointers (got null)");
   check(dq != nullptr && dk != nullptr && dv != nullptr,
         "dq, dk and dv must be device pointers (got null)");
@@ -98,6 +99,7 @@ void attention_backward(const AttentionArgs& args, const float* lse, const void*
   p.k = args.k;
   p.v = args.v;
   p.o = args.o;
+  p.o_bf16 = args.o_bf16;
   p.lse = lse;
   p.d_o = d_o;
   p.dq = dq;

@@ -46,9 +46,14 @@ __global__ void __launch_bounds__(32 * kWarps)
   }
   const int64_t row = t * p.Hq + h;
   const T* dorow = static_cast<const T*>(p.d_o) + (b * p.Tq * p.Hq + row) * p.Dv;
-  const float* orow = p.o + b * p.o_bstride + row * p.Dv;
+  const int64_t orow = b * p.o_bstride + row * p.Dv;
   float sum = 0.f;
-  for (int d = lane; d < p.Dv; d += 32) sum = fmaf(to_f32(dorow[d]), orow[d], sum);
+  if (p.o_bf16 != nullptr) {
+    const auto* o = static_cast<const __nv_bfloat16*>(p.o_bf16) + orow;
+    for (int d = lane; d < p.Dv; d += 32) sum = fmaf(to_f32(dorow[d]), to_f32(o[d]), sum);
+  } else {
+    for (int d = lane; d < p.Dv; d += 32) sum = fmaf(to_f32(dorow[d]), p.o[orow + d], sum);
+  }
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   if (lane == 0) {

@@ -22,6 +22,7 @@ struct AttentionBwdParams {
   const void* k = nullptr;
   const void* v = nullptr;
   const float* o = nullptr;                          // [Tq, Hq, Dv] fp32 (the forward's output)
+  const void* o_bf16 = nullptr;                      // or in bf16 (o null), same strides
   const float* lse = nullptr;                        // [Tq, Hq] natural log (the forward's)
   const void* d_o = nullptr;                         // [Tq, Hq, Dv] dense
   void* dq = nullptr;                                // [Tq, Hq, Dk] at dq_stride

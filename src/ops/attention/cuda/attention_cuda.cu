@@ -234,16 +234,23 @@ size_t attention_workspace_bytes(const AttentionArgs& args) {
 void attention_forward(const AttentionArgs& args, void* workspace, size_t workspace_bytes,
                        cudaStream_t stream) {
   validate_sizes(args);
-  check(args.q != nullptr && args.k != nullptr && args.v != nullptr && args.o != nullptr, [] {
-    return std::string("attention_forward: q, k, v and o must be device pointers (got null)");
-  });
+  check(args.q != nullptr && args.k != nullptr && args.v != nullptr &&
+            (args.o != nullptr) != (args.o_bf16 != nullptr),
+        [] {
+          return std::string(
+              "attention_forward: q, k, v and one of o / o_bf16 must be device pointers");
+        });
   const Plan plan = make_plan(args);
+  check(args.o_bf16 == nullptr || !plan.decode, [] {
+    return std::string("attention_forward: o_bf16 needs a direct path (Tq >= 16 or lse set)");
+  });
 
   AttentionParams p;
   p.q = args.q;
   p.k = args.k;
   p.v = args.v;
   p.o = args.o;
+  p.o_bf16 = args.o_bf16;
   p.lse = args.lse;
   p.q_stride = args.q_row_stride ? args.q_row_stride : args.Hq * args.Dk;
   p.k_stride = args.k_row_stride ? args.k_row_stride : args.Hkv * args.Dk;

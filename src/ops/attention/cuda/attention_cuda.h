@@ -9,8 +9,9 @@
 // Layouts (device pointers, token-major): q [Tq, Hq, Dk] with q_row_stride elements between
 // tokens (heads Dk apart); k [Tk, Hkv, Dk] with k_row_stride; v [Tk, Hkv, Dv] with
 // v_row_stride (heads Dv apart). v may alias k (MLA absorbed decode: v = the first Dv values
-// of each latent row). o [Tq, Hq, Dv] fp32, dense. q, k, v share one element type. These are
-// the layouts of one sequence; a batch repeats them at the batch strides (see AttentionArgs).
+// of each latent row). o [Tq, Hq, Dv] fp32 (or bf16: AttentionArgs::o_bf16), dense. q, k, v share
+// one element type. These are the layouts of one sequence; a batch repeats them at the batch
+// strides (see AttentionArgs).
 //
 // Paths: bf16 with Tq >= 16 runs a tensor-core flash-attention kernel (mma.sync bf16, fp32
 // softmax and accumulation; Dk, Dv <= 256, zero-padded to multiples of 16 inside); small Tq
@@ -40,6 +41,10 @@ struct AttentionArgs {
   int64_t q_offset = 0;
   float scale = 0.f;  // 0: Dk^-0.5
   float* o = nullptr;
+  // Or o in bf16 (set exactly one of o, o_bf16): [Tq, Hq, Dv] at the same strides, each value
+  // the fp32 result rounded to nearest. Direct paths only (Tq >= 16, or lse set): what a
+  // trainer's next GEMM reads, without an fp32 copy and a cast; attention_backward then reads it.
+  void* o_bf16 = nullptr;
   // Optional [Tq, Hq] fp32: the natural log of each row's sum of exp(scale q . k) over its
   // visible keys (the CPU's lse; what attention_backward needs). Setting it takes the direct
   // (unsplit) path even for small Tq; with Tk_device it throws.
@@ -73,9 +78,9 @@ void attention_forward(const AttentionArgs& args, void* workspace, size_t worksp
 
 // ---- Backward (attention_backward.cu) ----
 // Gradients of sum(o * d_o) for the forward described by `args` (Tk_device unset), recomputing
-// the probabilities from q, k and lse (FlashAttention-2): args.o must still hold the forward's
-// output (fp32, read for D_i = rowsum(d_o * o)); lse [Tq, Hq] the forward's (args.lse). q, k,
-// v, o and lse of sequence b are read at the batch strides of `args` as in the forward
+// the probabilities from q, k and lse (FlashAttention-2): args.o (or args.o_bf16) must still hold
+// the forward's output (read for D_i = rowsum(d_o * o)); lse [Tq, Hq] the forward's (args.lse). q,
+// k, v, o and lse of sequence b are read at the batch strides of `args` as in the forward
 // (lse_batch_stride applies to the `lse` argument). d_o is args.dtype [batch, Tq, Hq, Dv] dense;
 // dq [batch, Tq, Hq, Dk], dk [batch, Tk, Hkv, Dk], dv [batch, Tk, Hkv, Dv] are args.dtype,
 // dense unless `layout` gives their row strides (e.g. the three column blocks of one

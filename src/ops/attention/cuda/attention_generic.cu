@@ -84,11 +84,15 @@ __global__ void __launch_bounds__(32 * kGenericWarps) attention_generic_kernel(A
 
   if (p.nsplit == 0) {
     const float inv = 1.f / l;  // l >= 1: key 0 is always visible
-    float* orow = p.o + b * p.o_bstride + row * Dv;
+    const int64_t orow = b * p.o_bstride + row * Dv;
 #pragma unroll
     for (int i = 0; i < kVChunks; ++i) {
       const int d = lane + 32 * i;
-      if (d < Dv) orow[d] = acc[i] * inv;
+      if (d >= Dv) continue;
+      if (p.o_bf16 != nullptr)
+        static_cast<__nv_bfloat16*>(p.o_bf16)[orow + d] = __float2bfloat16_rn(acc[i] * inv);
+      else
+        p.o[orow + d] = acc[i] * inv;
     }
     if (p.lse != nullptr && lane == 0) p.lse[b * p.lse_bstride + row] = m + logf(l);
   } else {

@@ -26,7 +26,8 @@ struct AttentionParams {
   const void* k = nullptr;
   const void* v = nullptr;
   float* o = nullptr;
-  float* lse = nullptr;  // [Tq, Hq] natural log (direct paths only: nsplit == 0)
+  void* o_bf16 = nullptr;  // instead of o (direct paths only), same strides
+  float* lse = nullptr;    // [Tq, Hq] natural log (direct paths only: nsplit == 0)
   int64_t q_stride = 0, k_stride = 0, v_stride = 0;  // elements between tokens
   // Elements between sequences (resolved; see AttentionArgs): q, k, v in their element type,
   // o and lse in floats. batch sequences in grid z.

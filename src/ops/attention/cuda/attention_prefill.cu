@@ -294,12 +294,24 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(AttentionPa
     for (int r = 0; r < 2; ++r) {
       const int64_t qi = q0 + warp_row0 + 16 * mt + g + r * 8;
       if (qi >= p.Tq) continue;
-      float* orow = p.o + b * p.o_bstride + (qi * p.Hq + h) * int64_t(Dv);
+      const int64_t orow = b * p.o_bstride + (qi * p.Hq + h) * int64_t(Dv);
+      if (p.o_bf16 != nullptr) {  // Dv is even: whole pairs
+        bf16* out = static_cast<bf16*>(p.o_bf16) + orow;
+#pragma unroll
+        for (int n = 0; n < DVP / 8; ++n) {
+          const int c = n * 8 + 2 * t4;
+          if (c < Dv)
+            *reinterpret_cast<__nv_bfloat162*>(out + c) =
+                __floats2bfloat162_rn(o[mt][n][2 * r] * inv[r], o[mt][n][2 * r + 1] * inv[r]);
+        }
+        continue;
+      }
+      float* out = p.o + orow;
 #pragma unroll
       for (int n = 0; n < DVP / 8; ++n) {
         const int c = n * 8 + 2 * t4;
-        if (c < Dv) orow[c] = o[mt][n][2 * r] * inv[r];
-        if (c + 1 < Dv) orow[c + 1] = o[mt][n][2 * r + 1] * inv[r];
+        if (c < Dv) out[c] = o[mt][n][2 * r] * inv[r];
+        if (c + 1 < Dv) out[c + 1] = o[mt][n][2 * r + 1] * inv[r];
       }
     }
   }
@@ -331,6 +343,10 @@ bool launch_attention_prefill(const AttentionParams& p, cudaStream_t stream) {
   if (p.batch > 1 && (p.q_bstride % 8 != 0 || p.k_bstride % 8 != 0 || p.v_bstride % 8 != 0))
     return false;
   if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v)) return false;
+  // bf16 o is written in pairs
+  if (p.o_bf16 != nullptr &&
+      (reinterpret_cast<uintptr_t>(p.o_bf16) % 4 != 0 || (p.batch > 1 && p.o_bstride % 2 != 0)))
+    return false;
   const int dkp = (p.Dk + 15) / 16 * 16;
   if (dkp == 192 && p.Dv <= 128) return launch<192, 128>(p, dkp, stream);
   if (dkp == 128 && p.Dv <= 128)
