@@ -72,6 +72,13 @@ if [ "$mode" = "--train" ]; then
       KDA_ATTENTION_ROWS=16 timeout 60 ./build-gpu-app/bin/kda_gpu_model --bench \
         --shared gpu_carry/shared attention_bwd 2>&1 | grep "^BENCH" | sed 's/^BENCH/BENCH rows16/' |
         tee "$log_dir/attention_rows16.log"
+      # The wgmma forward (work in progress, opt-in): its checks on every shape, its timings.
+      echo "== attention, attention_bwd with the wgmma forward (KDA_ATTENTION_WGMMA=1)"
+      KDA_ATTENTION_WGMMA=1 timeout 120 ./build-gpu-app/bin/kda_gpu_model --check --bench \
+        --shared gpu_carry/shared attention attention_bwd 2>&1 |
+        tee "$log_dir/attention_wgmma.log" | grep -v "^CHECK.*PASS" | sed 's/^BENCH/BENCH wgmma/'
+      [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+      echo "wgmma: $(grep -c "^CHECK.*PASS" "$log_dir/attention_wgmma.log") checks pass"
     fi
   fi
   if [ -z "${KDA_SKIP_TRAIN_CHECK:-}" ]; then

@@ -124,6 +124,10 @@ void launch_attention_generic(const AttentionParams& p, bool elem_bf16, cudaStre
 // (launching nothing) when this shape or layout has no instantiation (the caller falls back to
 // the generic kernel).
 bool launch_attention_prefill(const AttentionParams& p, cudaStream_t stream);
+// The wgmma (sm_90a) forward for head dims 128 / 128 (attention_prefill_wgmma.cu), work in
+// progress: launches only with KDA_ATTENTION_WGMMA=1 on a compute capability 9 device and
+// returns whether it did.
+bool launch_attention_prefill_wgmma(const AttentionParams& p, cudaStream_t stream);
 
 // Tensor-core split-sequence decode (bf16): writes the split partials. Returns false (launching
 // nothing) when unsupported (the caller falls back to the generic kernel with splits).
