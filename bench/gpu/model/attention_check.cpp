@@ -25,6 +25,7 @@
 #include "bench/gpu/model/gpu_suite.h"
 #include "core/parallel.h"
 #include "ops/attention/cuda/attention_cuda.h"
+#include "ops/attention/cuda/attention_kernels.cuh"
 
 namespace kda::gpu_check {
 namespace {
@@ -640,8 +641,41 @@ void bench_decode(const char* what, int64_t Tk, int64_t Hq, int64_t Hkv, int64_t
   std::fflush(stdout);
 }
 
+// The wgmma building blocks alone (ops/attention/cuda/wgmma_probe.cu) against float64 products
+// of the same bf16 inputs: S = A B^T through swizzled shared memory, O = P V with P in registers
+// and V transposed. Tells a layout error from an attention error.
+void check_wgmma_probe(Tally& tally) {
+  const DeviceArray a = to_device(random_values(64 * 128, fresh_seed()), ElementType::bf16);
+  const DeviceArray b = to_device(random_values(64 * 128, fresh_seed()), ElementType::bf16);
+  const DeviceArray pm = to_device(random_values(64 * 64, fresh_seed()), ElementType::bf16);
+  const DeviceArray v = to_device(random_values(64 * 128, fresh_seed()), ElementType::bf16);
+  DeviceBuffer s(64 * 64 * 4), o(64 * 128 * 4);
+  poison(s.data(), s.bytes());
+  poison(o.data(), o.bytes());
+  if (!ops::cuda_detail::run_wgmma_probe(a.data(), b.data(), pm.data(), v.data(), s.as<float>(),
+                                         o.as<float>(), nullptr)) {
+    std::printf("(wgmma probe skipped: not a compute capability 9 device)\n");
+    return;
+  }
+  cu::check_cuda(cudaDeviceSynchronize(), "wgmma probe");
+  std::vector<double> s_ref(64 * 64, 0.0), o_ref(64 * 128, 0.0);
+  for (int i = 0; i < 64; ++i) {
+    for (int j = 0; j < 64; ++j)
+      for (int k = 0; k < 128; ++k)
+        s_ref[i * 64 + j] += a.rounded[i * 128 + k] * b.rounded[j * 128 + k];
+    for (int key = 0; key < 64; ++key)
+      for (int d = 0; d < 128; ++d)
+        o_ref[i * 128 + d] += pm.rounded[i * 64 + key] * v.rounded[key * 128 + d];
+  }
+  report(tally, "wgmma probe S = A B^T (m64n64k16, both operands from swizzled shared memory)",
+         rel_error(from_device(s.data(), s_ref.size(), ElementType::f32), s_ref), 1e-5);
+  report(tally, "wgmma probe O = P V (m64n128k16, P in registers, V^T in shared memory)",
+         rel_error(from_device(o.data(), o_ref.size(), ElementType::f32), o_ref), 1e-5);
+}
+
 void run_suite(const SuiteOptions& options, Tally& tally) {
   if (options.check) {
+    check_wgmma_probe(tally);
     for (const Case& c : check_cases()) {
       run_case(c, ElementType::f32, tally);
       run_case(c, ElementType::bf16, tally);

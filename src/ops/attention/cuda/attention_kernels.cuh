@@ -128,6 +128,11 @@ bool launch_attention_prefill(const AttentionParams& p, cudaStream_t stream);
 // progress: launches only with KDA_ATTENTION_WGMMA=1 on a compute capability 9 device and
 // returns whether it did.
 bool launch_attention_prefill_wgmma(const AttentionParams& p, cudaStream_t stream);
+// The wgmma building blocks alone (wgmma_probe.cu): bf16 a [64, 128], b [64, 128], p [64, 64],
+// v [64, 128] (device, row-major) -> s = a b^T [64, 64] and o = p v [64, 128] (fp32). False
+// (nothing launched) on a device without compute capability 9.
+bool run_wgmma_probe(const void* a, const void* b, const void* p, const void* v, float* s, float* o,
+                     cudaStream_t stream);
 
 // Tensor-core split-sequence decode (bf16): writes the split partials. Returns false (launching
 // nothing) when unsupported (the caller falls back to the generic kernel with splits).
