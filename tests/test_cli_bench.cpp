@@ -11,21 +11,14 @@
 #include <sstream>
 #include <string>
 
+#include "run_command.h"
+
 namespace {
 
-struct CommandResult {
-  int status;
-  std::string output;
-};
+using kda::testing::CommandResult;
 
 CommandResult run(const std::string& args) {
-  const std::string command = std::string(KDA_BINARY) + " " + args + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  std::string output;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, pipe)) output.append(buf, n);
-  const int status = pclose(pipe);
-  return {WEXITSTATUS(status), output};
+  return kda::testing::run_kda(args);
 }
 
 std::string slurp(const std::filesystem::path& p) {

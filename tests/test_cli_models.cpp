@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "run_command.h"
 #include "tokenizer/gpt2_tokenizer.h"
 
 namespace kda {
@@ -21,25 +22,8 @@ namespace fs = std::filesystem;
 
 const std::string kFixture = std::string(KDA_SHARED_DIR) + "/fixtures/models/gpt2_tiny";
 
-struct Result {
-  int exit_code = -1;
-  std::string out;  // stdout, or stdout and stderr together
-};
-
-// Runs the kda binary with `args` (a shell fragment); stderr joins stdout when merge_stderr.
-Result run_kda(const std::string& args, bool merge_stderr = true) {
-  const std::string command =
-      std::string("'") + KDA_BINARY + "' " + args + (merge_stderr ? " 2>&1" : " 2>/dev/null");
-  Result r;
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (!pipe) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0) r.out.append(buf, n);
-  const int status = ::pclose(pipe);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+using testing::run_kda;
+using Result = testing::CommandResult;
 
 std::vector<std::string> lines_of(const std::string& text) {
   std::vector<std::string> lines;
@@ -50,17 +34,17 @@ std::vector<std::string> lines_of(const std::string& text) {
 
 TEST(CliModels, VerifyModelFolder) {
   const Result r = run_kda("verify '" + kFixture + "'");
-  EXPECT_EQ(r.exit_code, 0) << r.out;
-  EXPECT_NE(r.out.find("gpt2_tiny (model gpt2)"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("decode               greedy"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find(" 0 failed"), std::string::npos) << r.out;
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("gpt2_tiny (model gpt2)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("decode               greedy"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(" 0 failed"), std::string::npos) << r.output;
 }
 
 TEST(CliModels, RunWithIdsPrintsTheGeneratedIds) {
   const Result r = run_kda("run -m '" + kFixture + "' --ids 1,2,3 -n 5", false);
-  ASSERT_EQ(r.exit_code, 0) << r.out;
-  const std::vector<std::string> lines = lines_of(r.out);
-  ASSERT_EQ(lines.size(), 1u) << r.out;
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::vector<std::string> lines = lines_of(r.output);
+  ASSERT_EQ(lines.size(), 1u) << r.output;
   std::istringstream in(lines[0]);
   std::vector<int> ids;
   for (int id; in >> id;) ids.push_back(id);
@@ -70,23 +54,23 @@ TEST(CliModels, RunWithIdsPrintsTheGeneratedIds) {
 
   // Greedy is the default: the same run again gives the same ids; the stats line is on stderr.
   const Result again = run_kda("run -m '" + kFixture + "' --ids 1,2,3 -n 5");
-  EXPECT_EQ(again.exit_code, 0);
-  EXPECT_EQ(lines_of(again.out).at(0), lines[0]);
-  EXPECT_NE(again.out.find("[kda run] prompt: 3 tokens"), std::string::npos) << again.out;
-  EXPECT_NE(again.out.find("decode: 4 tokens"), std::string::npos) << again.out;
-  EXPECT_NE(again.out.find("MLA/KV cache"), std::string::npos) << again.out;
+  EXPECT_EQ(again.status, 0);
+  EXPECT_EQ(lines_of(again.output).at(0), lines[0]);
+  EXPECT_NE(again.output.find("[kda run] prompt: 3 tokens"), std::string::npos) << again.output;
+  EXPECT_NE(again.output.find("decode: 4 tokens"), std::string::npos) << again.output;
+  EXPECT_NE(again.output.find("MLA/KV cache"), std::string::npos) << again.output;
 
   // Sampling with a seed is reproducible; --ctx bounds prompt + generation.
   const std::string sampled =
       "run -m '" + kFixture + "' --ids 4,5 -n 8 --temp 1 --top-p 0.9 --seed 3";
-  EXPECT_EQ(run_kda(sampled, false).out, run_kda(sampled, false).out);
+  EXPECT_EQ(run_kda(sampled, false).output, run_kda(sampled, false).output);
   const Result bounded = run_kda("run -m '" + kFixture + "' --ids 1,2,3 -n 50 --ctx 6");
-  EXPECT_EQ(bounded.exit_code, 0) << bounded.out;
-  std::istringstream first(lines_of(bounded.out).at(0));
+  EXPECT_EQ(bounded.status, 0) << bounded.output;
+  std::istringstream first(lines_of(bounded.output).at(0));
   int count = 0;
   for (int id; first >> id;) ++count;
   EXPECT_EQ(count, 4);  // 3 fed tokens of room after the prompt, plus the last sampled one
-  EXPECT_NE(bounded.out.find("context limit of 6"), std::string::npos) << bounded.out;
+  EXPECT_NE(bounded.output.find("context limit of 6"), std::string::npos) << bounded.output;
 }
 
 std::string utf8(uint32_t cp) {
@@ -138,16 +122,16 @@ TEST(CliModels, RunStreamsTextWithATokenizer) {
   const fs::path dir = write_tiny_folder_with_tokenizer();
   const std::string model = "run -m '" + dir.string() + "'";
   const Result r = run_kda(model + " -p 'hello world' -n 12", false);
-  EXPECT_EQ(r.exit_code, 0) << r.out;
-  EXPECT_EQ(r.out.rfind("hello world", 0), 0u) << r.out;  // the prompt, then its continuation
-  EXPECT_GT(r.out.size(), std::string("hello world\n").size()) << r.out;
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(r.output.rfind("hello world", 0), 0u) << r.output;  // the prompt, then its continuation
+  EXPECT_GT(r.output.size(), std::string("hello world\n").size()) << r.output;
   const Result stats = run_kda(model + " -p 'hello world' -n 12 --temp 0.8 --top-k 40 --seed 5");
-  EXPECT_EQ(stats.exit_code, 0) << stats.out;
-  EXPECT_NE(stats.out.find("[kda run] prompt: "), std::string::npos) << stats.out;
+  EXPECT_EQ(stats.status, 0) << stats.output;
+  EXPECT_NE(stats.output.find("[kda run] prompt: "), std::string::npos) << stats.output;
   // GPT-2's tokenizer has no chat template.
   const Result chat = run_kda(model + " -p hi --chat");
-  EXPECT_EQ(chat.exit_code, 1) << chat.out;
-  EXPECT_NE(chat.out.find("chat template"), std::string::npos) << chat.out;
+  EXPECT_EQ(chat.status, 1) << chat.output;
+  EXPECT_NE(chat.output.find("chat template"), std::string::npos) << chat.output;
   fs::remove_all(dir);
 }
 
@@ -170,28 +154,28 @@ TEST(CliModels, RunRejectsBadFlags) {
   };
   for (const auto& [args, needle] : cases) {
     const Result r = run_kda(args);
-    EXPECT_EQ(r.exit_code, 1) << args << "\n" << r.out;
-    EXPECT_NE(r.out.find(needle), std::string::npos) << args << "\n" << r.out;
+    EXPECT_EQ(r.status, 1) << args << "\n" << r.output;
+    EXPECT_NE(r.output.find(needle), std::string::npos) << args << "\n" << r.output;
   }
 }
 
 // Without a GPU (CI), --device cuda must end in a clear error, not a crash; with one, it runs.
 TEST(CliModels, RunOnCudaWithoutAGpuFailsCleanly) {
   const Result r = run_kda("run -m '" + kFixture + "' --ids 1,2,3 -n 3 --device cuda");
-  if (r.exit_code == 0) GTEST_SKIP() << "a GPU is present: " << r.out;
-  EXPECT_EQ(r.exit_code, 1) << r.out;
+  if (r.status == 0) GTEST_SKIP() << "a GPU is present: " << r.output;
+  EXPECT_EQ(r.status, 1) << r.output;
   const bool explained =
-      r.out.find("CUDA") != std::string::npos || r.out.find("cuda") != std::string::npos;
-  EXPECT_TRUE(explained) << r.out;
+      r.output.find("CUDA") != std::string::npos || r.output.find("cuda") != std::string::npos;
+  EXPECT_TRUE(explained) << r.output;
 }
 
 TEST(CliModels, InfoOnFolderAndBareConfig) {
   const Result r = run_kda("info '" + kFixture + "'");
-  EXPECT_EQ(r.exit_code, 0) << r.out;
-  EXPECT_NE(r.out.find("model_type      gpt2"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("180.48 K (180480) total"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("0-1"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("at 1M tokens"), std::string::npos) << r.out;
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("model_type      gpt2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("180.48 K (180480) total"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("0-1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("at 1M tokens"), std::string::npos) << r.output;
 
   // A bare config.json (no weights next to it) works too.
   const fs::path dir = fs::temp_directory_path() / ("kda_cli_models_" + std::to_string(::getpid()));
@@ -200,12 +184,12 @@ TEST(CliModels, InfoOnFolderAndBareConfig) {
                 fs::copy_options::overwrite_existing);
   const Result bare = run_kda("info '" + (dir / "config.json").string() + "'");
   fs::remove_all(dir);
-  EXPECT_EQ(bare.exit_code, 0) << bare.out;
-  EXPECT_NE(bare.out.find("180480"), std::string::npos) << bare.out;
+  EXPECT_EQ(bare.status, 0) << bare.output;
+  EXPECT_NE(bare.output.find("180480"), std::string::npos) << bare.output;
 
   const Result missing = run_kda("info /nonexistent/config.json");
-  EXPECT_EQ(missing.exit_code, 1);
-  EXPECT_NE(missing.out.find("/nonexistent/config.json"), std::string::npos) << missing.out;
+  EXPECT_EQ(missing.status, 1);
+  EXPECT_NE(missing.output.find("/nonexistent/config.json"), std::string::npos) << missing.output;
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include "model/gpt2.h"
 #include "model/model_folder.h"
 #include "runtime/sampling.h"
+#include "scratch_dir.h"
 #include "verify/model_fixture.h"
 
 namespace kda {
@@ -31,28 +32,7 @@ using json = nlohmann::json;
 
 const std::string kFixture = std::string(KDA_SHARED_DIR) + "/fixtures/models/gpt2_tiny";
 
-// A fresh folder per test and process, so parallel test runs never touch each other's files.
-class ScratchDir {
- public:
-  ScratchDir() {
-    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ =
-        fs::temp_directory_path() / ("kda_gpt2_" + std::to_string(::getpid()) + "_" + test->name());
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~ScratchDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  ScratchDir(const ScratchDir&) = delete;
-  ScratchDir& operator=(const ScratchDir&) = delete;
-  std::string str() const { return path_.string(); }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
+using testing::ScratchDir;
 
 json fixture_config() {
   std::ifstream in(kFixture + "/config.json");

@@ -20,6 +20,7 @@
 #include "model/causal_lm.h"
 #include "model/kimi_linear.h"
 #include "model/model_folder.h"
+#include "scratch_dir.h"
 
 namespace kda {
 namespace {
@@ -30,26 +31,7 @@ using testing::rel_error;
 
 const std::string kTiny = std::string(KDA_SHARED_DIR) + "/fixtures/models/kimi_linear_tiny";
 
-class ScratchDir {
- public:
-  ScratchDir() {
-    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ =
-        fs::temp_directory_path() / ("kda_kimi_" + std::to_string(::getpid()) + "_" + test->name());
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~ScratchDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  ScratchDir(const ScratchDir&) = delete;
-  ScratchDir& operator=(const ScratchDir&) = delete;
-  std::string str() const { return path_.string(); }
-
- private:
-  fs::path path_;
-};
+using testing::ScratchDir;
 
 json read_json(const std::string& path) {
   std::ifstream in(path);

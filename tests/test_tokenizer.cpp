@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "run_command.h"
 #include "tokenizer/bpe.h"
 #include "tokenizer/gpt2_tokenizer.h"
 #include "tokenizer/pretokenizer.h"
@@ -723,14 +724,8 @@ TEST(TokenizerFiles, InvalidUtf8AndUnknownIds) {
 // ---- the kda binary --------------------------------------------------------------------------
 
 std::pair<int, std::string> run(const std::string& command) {
-  std::string out;
-  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
-  if (!pipe) return {-1, ""};
-  char buffer[4096];
-  size_t n;
-  while ((n = fread(buffer, 1, sizeof buffer, pipe)) > 0) out.append(buffer, n);
-  const int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+  const testing::CommandResult r = testing::run_command(command);
+  return {r.status, r.output};
 }
 
 TEST(TokenizerCli, EncodesAndDecodes) {
