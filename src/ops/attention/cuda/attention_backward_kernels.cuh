@@ -53,4 +53,9 @@ void launch_attention_bwd_generic(const AttentionBwdParams& p, bool elem_bf16, c
 // no instantiation (the caller falls back to the plain kernels).
 bool launch_attention_bwd_mma(const AttentionBwdParams& p, cudaStream_t stream);
 
+// The dk / dv kernel on wgmma (sm_90a, head dims 128 / 128; attention_backward_wgmma.cu), work
+// in progress: launches only with KDA_ATTENTION_WGMMA=1 on a compute capability 9 device (the
+// caller has checked the layout as for launch_attention_bwd_mma) and returns whether it did.
+bool launch_attention_bwd_dkdv_wgmma(const AttentionBwdParams& p, cudaStream_t stream);
+
 }  // namespace kda::ops::cuda_detail

@@ -500,9 +500,11 @@ bool launch(const AttentionBwdParams& p, cudaStream_t stream) {
   check_cuda(
       cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_dkdv)),
       "cudaFuncSetAttribute (attention_bwd_dkdv_kernel)");
-  const dim3 dkdv_grid = attention_tile_grid((p.Tk + kKeys - 1) / kKeys, p.Hkv, p.batch);
-  dkdv<<<dkdv_grid, kThreads, smem_dkdv, stream>>>(p);
-  check_launch("attention_bwd_dkdv_kernel");
+  if (!launch_attention_bwd_dkdv_wgmma(p, stream)) {
+    const dim3 dkdv_grid = attention_tile_grid((p.Tk + kKeys - 1) / kKeys, p.Hkv, p.batch);
+    dkdv<<<dkdv_grid, kThreads, smem_dkdv, stream>>>(p);
+    check_launch("attention_bwd_dkdv_kernel");
+  }
 
   auto dq = attention_bwd_dq_kernel<DKP, DVP, MT>;
   check_cuda(cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_dq)),
