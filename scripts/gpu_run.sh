@@ -79,6 +79,9 @@ if [ "$mode" = "--train" ]; then
         tee "$log_dir/attention_wgmma.log" | grep -v "^CHECK.*PASS" | sed 's/^BENCH/BENCH wgmma/'
       [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
       echo "wgmma: $(grep -c "^CHECK.*PASS" "$log_dir/attention_wgmma.log") checks pass"
+      echo "== the 125M step with the wgmma kernels (KDA_ATTENTION_WGMMA=1 kda_gpu_train --bench-2k)"
+      KDA_ATTENTION_WGMMA=1 timeout 120 ./build-gpu-app/bin/kda_gpu_train --bench-2k 2>&1 |
+        grep "^BENCH" | sed 's/^BENCH/BENCH wgmma/'
     fi
   fi
   if [ -z "${KDA_SKIP_TRAIN_CHECK:-}" ]; then
