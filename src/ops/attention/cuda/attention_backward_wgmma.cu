@@ -60,8 +60,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     attention_bwd_dkdv_wgmma_kernel(AttentionBwdParams p) {
 #ifdef KDA_WGMMA
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // the shared-window address 1024-byte aligned (the descriptors and the swizzle see it)
+  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   unsigned char* Ks = smem;
   unsigned char* Vs = smem + kOffV;
   unsigned char* Qs = smem + kOffQ;

@@ -51,9 +51,8 @@ __device__ __forceinline__ void fence_operand(float& x) {
 __global__ void __launch_bounds__(kThreads, 1) attention_prefill_wgmma_kernel(AttentionParams p) {
 #ifdef KDA_WGMMA
   extern __shared__ unsigned char smem_raw[];
-  // 1024-byte aligned base: the swizzle pattern repeats every 1024 bytes
-  unsigned char* smem = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // the shared-window address 1024-byte aligned (the descriptors and the swizzle see it)
+  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   unsigned char* Qs = smem;            // [2 column tiles][128 rows]
   unsigned char* Ks = Qs + 2 * kQCol;  // [2 buffers][2 column tiles][64 rows]
   unsigned char* Vt = Ks + 2 * kKBuf;  // [2 buffers][128 dim rows][64 keys]
