@@ -33,7 +33,7 @@ struct AttentionBwdParams {
   int64_t q_stride = 0, k_stride = 0, v_stride = 0;  // elements between tokens
   // elements between tokens of dq, dk, dv (sequence b starts b Tq or b Tk tokens in)
   int64_t dq_stride = 0, dk_stride = 0, dv_stride = 0;
-  // Elements between sequences (resolved, never 0): q, k, v in their type, o and lse in floats.
+  // Elements between sequences (resolved, never 0): q, k, v, o (or o_bf16) and lse in theirs.
   int64_t q_bstride = 0, k_bstride = 0, v_bstride = 0, o_bstride = 0, lse_bstride = 0;
   int batch = 1;
   int64_t Tq = 0, Tk = 0, q_offset = 0, Tq_pad = 0;

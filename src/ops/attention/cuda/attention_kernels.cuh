@@ -30,7 +30,8 @@ struct AttentionParams {
   float* lse = nullptr;    // [Tq, Hq] natural log (direct paths only: nsplit == 0)
   int64_t q_stride = 0, k_stride = 0, v_stride = 0;  // elements between tokens
   // Elements between sequences (resolved; see AttentionArgs): q, k, v in their element type,
-  // o and lse in floats. batch sequences in grid z.
+  // o (or o_bf16) and lse in theirs. The direct kernels run the batch in grid z, the tiled ones
+  // as attention_block_tile says.
   int64_t q_bstride = 0, k_bstride = 0, v_bstride = 0, o_bstride = 0, lse_bstride = 0;
   int batch = 1;
   int64_t Tq = 0, Tk = 0, q_offset = 0;
