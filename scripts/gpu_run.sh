@@ -72,16 +72,24 @@ if [ "$mode" = "--train" ]; then
       KDA_ATTENTION_ROWS=16 timeout 60 ./build-gpu-app/bin/kda_gpu_model --bench \
         --shared gpu_carry/shared attention_bwd 2>&1 | grep "^BENCH" | sed 's/^BENCH/BENCH rows16/' |
         tee "$log_dir/attention_rows16.log"
-      # The wgmma forward (work in progress, opt-in): its checks on every shape, its timings.
-      echo "== attention, attention_bwd with the wgmma forward (KDA_ATTENTION_WGMMA=1)"
-      KDA_ATTENTION_WGMMA=1 timeout 120 ./build-gpu-app/bin/kda_gpu_model --check --bench \
+      # The wgmma kernels (head dims 128 / 128 on sm_90a) are the default: check and time the
+      # mma.sync kernels they replace there too, and the 125M step with those.
+      echo "== attention, attention_bwd with the mma.sync kernels only (KDA_ATTENTION_WGMMA=0)"
+      KDA_ATTENTION_WGMMA=0 timeout 120 ./build-gpu-app/bin/kda_gpu_model --check --bench \
         --shared gpu_carry/shared attention attention_bwd 2>&1 |
-        tee "$log_dir/attention_wgmma.log" | grep -v "^CHECK.*PASS" | sed 's/^BENCH/BENCH wgmma/'
+        tee "$log_dir/attention_mma.log" | grep -v "^CHECK.*PASS" | sed 's/^BENCH/BENCH mma/'
       [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
-      echo "wgmma: $(grep -c "^CHECK.*PASS" "$log_dir/attention_wgmma.log") checks pass"
-      echo "== the 125M step with the wgmma kernels (KDA_ATTENTION_WGMMA=1 kda_gpu_train --bench-2k)"
-      KDA_ATTENTION_WGMMA=1 timeout 120 ./build-gpu-app/bin/kda_gpu_train --bench-2k 2>&1 |
-        grep "^BENCH" | sed 's/^BENCH/BENCH wgmma/'
+      echo "mma.sync: $(grep -c "^CHECK.*PASS" "$log_dir/attention_mma.log") checks pass"
+      echo "== attention with the wgmma forward (opt-in: KDA_ATTENTION_WGMMA_FORWARD=1)"
+      KDA_ATTENTION_WGMMA_FORWARD=1 timeout 120 ./build-gpu-app/bin/kda_gpu_model --check --bench \
+        --shared gpu_carry/shared attention attention_bwd 2>&1 |
+        tee "$log_dir/attention_wgmma_fwd.log" | grep -v "^CHECK.*PASS" | grep -v decode |
+        sed 's/^BENCH/BENCH wgmma-fwd/'
+      [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+      echo "wgmma forward: $(grep -c "^CHECK.*PASS" "$log_dir/attention_wgmma_fwd.log") checks pass"
+      echo "== the 125M step with the mma.sync kernels (KDA_ATTENTION_WGMMA=0 kda_gpu_train --bench-2k)"
+      KDA_ATTENTION_WGMMA=0 timeout 120 ./build-gpu-app/bin/kda_gpu_train --bench-2k 2>&1 |
+        grep "^BENCH" | sed 's/^BENCH/BENCH mma/'
     fi
   fi
   if [ -z "${KDA_SKIP_TRAIN_CHECK:-}" ]; then

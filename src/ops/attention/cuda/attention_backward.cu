@@ -62,8 +62,15 @@ int64_t padded_rows(const AttentionArgs& a) {
   return (a.Tq + kAttentionBwdRowPad - 1) / kAttentionBwdRowPad * kAttentionBwdRowPad;
 }
 
+// Shapes the wgmma backward takes (its dQ is summed in fp32 in the workspace).
+bool dq_accumulated(const AttentionArgs& a) {
+  return a.dtype == ElementType::bf16 && a.Dk == 128 && a.Dv == 128;
+}
+
 size_t workspace_floats(const AttentionArgs& a) {
-  return 2 * size_t(a.batch) * size_t(a.Hq) * size_t(padded_rows(a));
+  const size_t rows = 2 * size_t(a.batch) * size_t(a.Hq) * size_t(padded_rows(a));
+  const size_t dq_sums = size_t(a.batch) * size_t(a.Tq) * size_t(a.Hq) * size_t(a.Dk);
+  return rows + (dq_accumulated(a) ? dq_sums : 0);
 }
 
 }  // namespace
@@ -108,6 +115,8 @@ void attention_backward(const AttentionArgs& args, const float* lse, const void*
   p.Tq_pad = padded_rows(args);
   p.lse2 = static_cast<float*>(workspace);
   p.delta = p.lse2 + size_t(args.batch) * size_t(args.Hq) * size_t(p.Tq_pad);
+  if (dq_accumulated(args))
+    p.dq_accum = p.delta + size_t(args.batch) * size_t(args.Hq) * size_t(p.Tq_pad);
   p.q_stride = args.q_row_stride ? args.q_row_stride : args.Hq * args.Dk;
   p.k_stride = args.k_row_stride ? args.k_row_stride : args.Hkv * args.Dk;
   p.v_stride = args.v_row_stride ? args.v_row_stride : args.Hkv * args.Dv;

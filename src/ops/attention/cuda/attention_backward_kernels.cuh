@@ -2,7 +2,8 @@
 // every backward kernel reads and their launchers.
 //
 // Workspace: lse2 [batch][Hq][Tq_pad] (the forward's lse in log2 units) then delta
-// [batch][Hq][Tq_pad] (D_i = rowsum(d_o * o)), Tq_pad = Tq rounded up to kAttentionBwdRowPad;
+// [batch][Hq][Tq_pad] (D_i = rowsum(d_o * o)), Tq_pad = Tq rounded up to kAttentionBwdRowPad,
+// then for bf16 with head dims 128 / 128 the wgmma kernel's fp32 dQ sums [batch][Tq][Hq][128];
 // the padding rows hold lse2 = +inf and delta = 0, so a padded query row has probability 0
 // against every key and the tensor-core kernels can copy whole 16-byte chunks of them.
 // Batch: every kernel runs sequence b = blockIdx.z; q, k, v, o and lse at the batch strides
@@ -21,15 +22,18 @@ struct AttentionBwdParams {
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
-  const float* o = nullptr;                          // [Tq, Hq, Dv] fp32 (the forward's output)
-  const void* o_bf16 = nullptr;                      // or in bf16 (o null), same strides
-  const float* lse = nullptr;                        // [Tq, Hq] natural log (the forward's)
-  const void* d_o = nullptr;                         // [Tq, Hq, Dv] dense
-  void* dq = nullptr;                                // [Tq, Hq, Dk] at dq_stride
-  void* dk = nullptr;                                // [Tk, Hkv, Dk] at dk_stride
-  void* dv = nullptr;                                // [Tk, Hkv, Dv] at dv_stride
-  float* lse2 = nullptr;                             // workspace [batch][Hq][Tq_pad]
-  float* delta = nullptr;                            // workspace [batch][Hq][Tq_pad]
+  const float* o = nullptr;      // [Tq, Hq, Dv] fp32 (the forward's output)
+  const void* o_bf16 = nullptr;  // or in bf16 (o null), same strides
+  const float* lse = nullptr;    // [Tq, Hq] natural log (the forward's)
+  const void* d_o = nullptr;     // [Tq, Hq, Dv] dense
+  void* dq = nullptr;            // [Tq, Hq, Dk] at dq_stride
+  void* dk = nullptr;            // [Tk, Hkv, Dk] at dk_stride
+  void* dv = nullptr;            // [Tk, Hkv, Dv] at dv_stride
+  float* lse2 = nullptr;         // workspace [batch][Hq][Tq_pad]
+  float* delta = nullptr;        // workspace [batch][Hq][Tq_pad]
+  // workspace [batch][Tq][Hq][Dk] fp32 for the wgmma kernel's dQ sums (Dk = Dv = 128, bf16),
+  // else null
+  float* dq_accum = nullptr;
   int64_t q_stride = 0, k_stride = 0, v_stride = 0;  // elements between tokens
   // elements between tokens of dq, dk, dv (sequence b starts b Tq or b Tk tokens in)
   int64_t dq_stride = 0, dk_stride = 0, dv_stride = 0;
@@ -53,9 +57,9 @@ void launch_attention_bwd_generic(const AttentionBwdParams& p, bool elem_bf16, c
 // no instantiation (the caller falls back to the plain kernels).
 bool launch_attention_bwd_mma(const AttentionBwdParams& p, cudaStream_t stream);
 
-// The dk / dv kernel on wgmma (sm_90a, head dims 128 / 128; attention_backward_wgmma.cu), work
-// in progress: launches only with KDA_ATTENTION_WGMMA=1 on a compute capability 9 device (the
-// caller has checked the layout as for launch_attention_bwd_mma) and returns whether it did.
-bool launch_attention_bwd_dkdv_wgmma(const AttentionBwdParams& p, cudaStream_t stream);
+// The whole backward on wgmma (sm_90a, head dims 128 / 128, p.dq_accum set;
+// attention_backward_wgmma.cu): launches when attention_wgmma_enabled() (the caller has checked
+// the layout as for launch_attention_bwd_mma) and returns whether it did.
+bool launch_attention_bwd_wgmma(const AttentionBwdParams& p, cudaStream_t stream);
 
 }  // namespace kda::ops::cuda_detail

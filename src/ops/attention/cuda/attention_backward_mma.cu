@@ -500,11 +500,9 @@ bool launch(const AttentionBwdParams& p, cudaStream_t stream) {
   check_cuda(
       cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_dkdv)),
       "cudaFuncSetAttribute (attention_bwd_dkdv_kernel)");
-  if (!launch_attention_bwd_dkdv_wgmma(p, stream)) {
-    const dim3 dkdv_grid = attention_tile_grid((p.Tk + kKeys - 1) / kKeys, p.Hkv, p.batch);
-    dkdv<<<dkdv_grid, kThreads, smem_dkdv, stream>>>(p);
-    check_launch("attention_bwd_dkdv_kernel");
-  }
+  const dim3 dkdv_grid = attention_tile_grid((p.Tk + kKeys - 1) / kKeys, p.Hkv, p.batch);
+  dkdv<<<dkdv_grid, kThreads, smem_dkdv, stream>>>(p);
+  check_launch("attention_bwd_dkdv_kernel");
 
   auto dq = attention_bwd_dq_kernel<DKP, DVP, MT>;
   check_cuda(cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_dq)),
@@ -528,6 +526,7 @@ bool launch_attention_bwd_mma(const AttentionBwdParams& p, cudaStream_t stream) 
   for (const void* ptr : {p.q, p.k, p.v, p.d_o, static_cast<const void*>(p.dq),
                           static_cast<const void*>(p.dk), static_cast<const void*>(p.dv)})
     if (!aligned16(ptr)) return false;
+  if (p.Dk == 128 && p.Dv == 128 && launch_attention_bwd_wgmma(p, stream)) return true;
   // 32 query rows a warp in the dq kernel under the forward's rule (attention_wide_rows)
   const bool wide = attention_wide_rows(p.Tq, p.Hq, p.batch);
   if (p.Dk <= 64 && p.Dv <= 64)

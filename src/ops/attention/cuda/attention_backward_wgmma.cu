@@ -1,6 +1,6 @@
-// The dk / dv half of the causal attention backward on wgmma (sm_90a), head dims 128 / 128
-// (work in progress: selected only with KDA_ATTENTION_WGMMA=1 until the H200 has checked it;
-// the dq kernel stays attention_backward_mma.cu's).
+// The causal attention backward on wgmma (sm_90a), head dims 128 / 128, in one kernel
+// (FlashAttention-2's dQ by atomics: 5 products a tile where the mma.sync pair of kernels does 7).
+// KDA_ATTENTION_WGMMA=0 turns it off.
 //
 // A block of two warpgroups owns 128 keys of one KV head (warpgroup w: keys 64 w .. 64 w + 63)
 // and walks the query tiles (64 queries) of every query head of its group that see them:
@@ -9,17 +9,19 @@
 //   P^T = exp2(S^T scale log2(e) - lse2[query]), causal mask; dS^T = P^T (dP^T - delta[query])
 //   dV  += P^T dO     4 x wgmma m64n128k16, P^T from registers, dO^T from shared memory
 //   dK  += dS^T Q     4 x wgmma m64n128k16, dS^T from registers, Q^T from shared memory
+//   dQ   = dS K       8 x wgmma m64n64k16 (warpgroup w: head dims 64 w ..), dS written to shared
+//                     memory by stmatrix .trans, K^T (made once) as B; added to fp32 sums in the
+//                     workspace (float2 atomics), scaled and cast to bf16 by a second kernel.
 // Q and dO arrive by cp.async (double-buffered, with the tile's lse2 / delta), then are copied
 // transposed (Q^T, dO^T: head-dim rows, query columns) so that every B operand is K-major.
-// Barriers a tile: copies landed; transposes written (after fence.proxy.async); products done.
-// dK is scaled by the softmax scale once at the end; keys no query sees get zeros. Deterministic
-// (no atomics): each block owns its keys.
+// Barriers a tile: copies landed; transposes written (after fence.proxy.async); dS written;
+// products done. dK is scaled by the softmax scale once at the end; keys no query sees get
+// zeros. dK / dV are deterministic (each block owns its keys); dQ's sums are not (atomics).
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <string_view>
 
 #include "ops/attention/cuda/attention_backward_kernels.cuh"
 #include "ops/attention/cuda/attention_kernels.cuh"
@@ -40,7 +42,7 @@ constexpr uint32_t kKCol = kBK * kRowBytes;   // one 64-wide column tile of K (o
 constexpr uint32_t kQCol = kBQ * kRowBytes;   // one 64-wide column tile of a Q (or dO) tile
 constexpr uint32_t kQBuf = 2 * kQCol;         // a Q tile (128 dims)
 constexpr uint32_t kTBytes = kD * kRowBytes;  // a transposed tile: 128 dim rows x 64 queries
-// K, V | Q, dO double-buffered | Q^T, dO^T | lse2, delta double-buffered
+// K, V | Q, dO double-buffered | Q^T, dO^T | lse2, delta double-buffered | K^T | dS
 constexpr uint32_t kOffV = 2 * kKCol;
 constexpr uint32_t kOffQ = kOffV + 2 * kKCol;
 constexpr uint32_t kOffDO = kOffQ + 2 * kQBuf;
@@ -48,16 +50,15 @@ constexpr uint32_t kOffQT = kOffDO + 2 * kQBuf;
 constexpr uint32_t kOffDOT = kOffQT + kTBytes;
 constexpr uint32_t kOffL = kOffDOT + kTBytes;
 constexpr uint32_t kOffDelta = kOffL + 2 * kBQ * 4;
-constexpr uint32_t kSmemBytes = kOffDelta + 2 * kBQ * 4;
+constexpr uint32_t kOffKT = kOffDelta + 2 * kBQ * 4;  // 1024-aligned (the sum of whole tiles)
+constexpr uint32_t kKTCol = kD * kRowBytes;           // one 64-key column tile of K^T
+constexpr uint32_t kOffDS = kOffKT + 2 * kKTCol;
+constexpr uint32_t kSmemBytes = kOffDS + 2 * kQCol;  // dS: 64 queries x 128 keys
+static_assert(kOffKT % 1024 == 0 && kOffDS % 1024 == 0, "swizzled tiles sit on 1024 bytes");
 constexpr size_t kSmemLaunch = kSmemBytes + 1024;  // + room to align the base to 1024
 constexpr float kLog2e = 1.4426950408889634f;
 
-__device__ __forceinline__ void fence_operand(float& x) {
-  asm volatile("" : "+f"(x)::"memory");
-}
-
-__global__ void __launch_bounds__(kThreads, 1)
-    attention_bwd_dkdv_wgmma_kernel(AttentionBwdParams p) {
+__global__ void __launch_bounds__(kThreads, 1) attention_bwd_wgmma_kernel(AttentionBwdParams p) {
 #ifdef KDA_WGMMA
   extern __shared__ unsigned char smem_raw[];
   // the shared-window address 1024-byte aligned (the descriptors and the swizzle see it)
@@ -70,6 +71,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   unsigned char* dOt = smem + kOffDOT;
   float* Ls = reinterpret_cast<float*>(smem + kOffL);
   float* Ds = reinterpret_cast<float*>(smem + kOffDelta);
+  unsigned char* Kt = smem + kOffKT;   // [2 key column tiles][128 dim rows][64 keys]
+  unsigned char* dSs = smem + kOffDS;  // [2 key column tiles][64 query rows][64 keys]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = warp >> 2, wq = warp & 3;
@@ -127,11 +130,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // thread t takes queries 2 (t % 32), 2 (t % 32) + 1 and head-dim chunks t / 32, t / 32 + 8;
   // one 32-bit store holds both queries of one head dim (a warp fills one 128-byte row).
   const int tpair = tid & 31, tchunk = tid >> 5;
-  const auto transpose = [&](const unsigned char* src, unsigned char* dst) {
+  const auto transpose = [&](const unsigned char* src, uint32_t src_col, unsigned char* dst) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int c = tchunk + 8 * i;  // head dims 8 c .. 8 c + 7
-      const uint32_t off = (c >> 3) * kQCol;
+      const uint32_t off = (c >> 3) * src_col;
       const uint4 lo4 =
           *reinterpret_cast<const uint4*>(src + off + sw128_offset(2 * tpair, (c & 7) * 8));
       const uint4 hi4 =
@@ -178,8 +181,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       cp_async_wait<0>();
     }
     __syncthreads();  // Q / dO / lse2 / delta of this tile landed (and K, V the first time)
-    transpose(Qs + buf * kQBuf, Qt);
-    transpose(dOs + buf * kQBuf, dOt);
+    transpose(Qs + buf * kQBuf, kQCol, Qt);
+    transpose(dOs + buf * kQBuf, kQCol, dOt);
+    if (it == 0) {  // K^T for dQ = dS K: keys 0..63, 64..127 into K^T's two column tiles
+      transpose(Ks, kKCol, Kt);
+      transpose(Ks + 64 * kRowBytes, kKCol, Kt + kKTCol);
+    }
     fence_proxy_async();
     __syncthreads();  // the transposes (and the cp.async'd tiles) visible to wgmma
 
@@ -239,6 +246,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         sa[kk][i] = pack_bf16(dpt[8 * kk + 2 * i], dpt[8 * kk + 2 * i + 1]);
       }
     }
+    // dS (queries x keys) into shared memory for dQ = dS K: this warpgroup's keys are dS's
+    // column tile wg; stmatrix .trans turns each 8 x 8 block of dS^T around (matrix j of an A
+    // fragment: keys + 8 (j & 1), queries + 8 (j >> 1)).
+    {
+      const int j = lane >> 3, i = lane & 7;
+      unsigned char* ds_tile = dSs + wg * kQCol;
+#pragma unroll
+      for (int kk = 0; kk < kBQ / 16; ++kk)
+        stmatrix_x4_trans(ds_tile + sw128_offset(16 * kk + 8 * (j >> 1) + i, wq * 16 + 8 * (j & 1)),
+                          sa[kk]);
+    }
     // dV += P^T dO, dK += dS^T Q (B: dO^T, Q^T, K-major)
     wgmma_fence();
 #pragma unroll
@@ -247,13 +265,52 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < kBQ / 16; ++kk) wgmma_m64n128k16_rs(dk, sa[kk], sw128_desc(Qt + kk * 32));
     wgmma_commit();
+    fence_proxy_async();
+    __syncthreads();  // both warpgroups' halves of dS written
+    // dQ (64 queries x this warpgroup's 64 head dims) = dS (64 x 128 keys) K (128 keys x 64 dims)
+    float dq[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) fence_operand(dq[i]);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kBK / 16; ++ks) {
+      const uint32_t off = (ks & 3) * 32, col = ks >> 2;
+      wgmma_m64n64k16_ss(dq, sw128_desc(dSs + col * kQCol + off),
+                         sw128_desc(Kt + col * kKTCol + wg * 64 * kRowBytes + off), ks > 0);
+    }
+    wgmma_commit();
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
       fence_operand(dk[i]);
       fence_operand(dv[i]);
     }
-    __syncthreads();  // everyone is done with buffer `buf`, Q^T and dO^T before they are refilled
+#pragma unroll
+    for (int i = 0; i < 32; ++i) fence_operand(dq[i]);
+#pragma unroll
+    for (int kk = 0; kk < kBQ / 16; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        fence_operand(pa[kk][e]);
+        fence_operand(sa[kk][e]);
+      }
+    // dQ into the fp32 accumulator (every key block of the head adds its share; scaled and
+    // cast by attention_bwd_dq_cast_kernel)
+    {
+      const int h = kvh * group + it / nqt;
+      const int64_t t0 = int64_t(qt_first + it % nqt) * kBQ;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t t = t0 + wq * 16 + g + 8 * r;
+        if (t >= p.Tq) continue;
+        float* row = p.dq_accum + ((b * p.Tq + t) * p.Hq + h) * int64_t(kD) + wg * 64 + 2 * t4;
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+          atomicAdd(reinterpret_cast<float2*>(row + 8 * n),
+                    make_float2(dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]));
+      }
+    }
+    __syncthreads();  // everyone is done with buffer `buf`, Q^T, dO^T and dS before the next tile
   }
 
   // This thread's keys key_lo (+ 8): dK (times the scale) and dV as bf16 pairs; zeros where no
@@ -278,20 +335,43 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
+// dq (bf16, at dq_stride) = scale * the fp32 sums, four head dims a thread.
+__global__ void attention_bwd_dq_cast_kernel(AttentionBwdParams p) {
+  const int64_t quads = int64_t(p.batch) * p.Tq * p.Hq * (kD / 4);
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < quads;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / (kD / 4);  // (b Tq + t) Hq + h
+    const int c = int(i % (kD / 4)) * 4;
+    const int64_t token = row / p.Hq;
+    const int h = int(row % p.Hq);
+    const float4 x = reinterpret_cast<const float4*>(p.dq_accum)[i];
+    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.dq) +
+                                                            token * p.dq_stride + h * kD + c);
+    dst[0] = __floats2bfloat162_rn(x.x * p.scale, x.y * p.scale);
+    dst[1] = __floats2bfloat162_rn(x.z * p.scale, x.w * p.scale);
+  }
+}
+
 }  // namespace
 
-bool launch_attention_bwd_dkdv_wgmma(const AttentionBwdParams& p, cudaStream_t stream) {
-  const char* env = std::getenv("KDA_ATTENTION_WGMMA");
-  if (env == nullptr || std::string_view(env) != "1" || attention_cc_major() != 9) return false;
+bool launch_attention_bwd_wgmma(const AttentionBwdParams& p, cudaStream_t stream) {
+  if (!attention_wgmma_enabled() || p.dq_accum == nullptr) return false;
   if (p.Dk != kD || p.Dv != kD) return false;
   static_assert(kAttentionBwdRowPad % kBQ == 0, "workspace rows must cover whole query tiles");
   if (kSmemLaunch > size_t(attention_max_smem())) return false;
-  check_cuda(cudaFuncSetAttribute(attention_bwd_dkdv_wgmma_kernel,
+  const int64_t dq_floats = int64_t(p.batch) * p.Tq * p.Hq * kD;
+  check_cuda(cudaMemsetAsync(p.dq_accum, 0, size_t(dq_floats) * sizeof(float), stream),
+             "cudaMemsetAsync (attention dQ sums)");
+  check_cuda(cudaFuncSetAttribute(attention_bwd_wgmma_kernel,
                                   cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemLaunch)),
-             "cudaFuncSetAttribute (attention_bwd_dkdv_wgmma_kernel)");
+             "cudaFuncSetAttribute (attention_bwd_wgmma_kernel)");
   const dim3 grid = attention_tile_grid((p.Tk + kBK - 1) / kBK, p.Hkv, p.batch);
-  attention_bwd_dkdv_wgmma_kernel<<<grid, kThreads, kSmemLaunch, stream>>>(p);
-  check_launch("attention_bwd_dkdv_wgmma_kernel");
+  attention_bwd_wgmma_kernel<<<grid, kThreads, kSmemLaunch, stream>>>(p);
+  check_launch("attention_bwd_wgmma_kernel");
+  const int64_t quads = dq_floats / 4;
+  const int blocks = int(std::min<int64_t>((quads + 255) / 256, 16 * attention_sm_count()));
+  attention_bwd_dq_cast_kernel<<<blocks, 256, 0, stream>>>(p);
+  check_launch("attention_bwd_dq_cast_kernel");
   return true;
 }
 

@@ -56,6 +56,14 @@ int attention_sm_count() {
   return cached[device];
 }
 
+bool attention_wgmma_enabled() {
+  static const bool disabled = [] {
+    const char* env = std::getenv("KDA_ATTENTION_WGMMA");
+    return env != nullptr && std::string_view(env) == "0";
+  }();
+  return !disabled && attention_cc_major() == 9;
+}
+
 bool attention_wide_rows(int64_t Tq, int Hq, int batch) {
   static const int forced = [] {
     const char* rows = std::getenv("KDA_ATTENTION_ROWS");

@@ -108,6 +108,9 @@ constexpr int kAttentionMaxSplits = 256;
 int attention_max_smem();
 int attention_sm_count();
 int attention_cc_major();  // compute capability major of the current device (cached)
+// Whether the wgmma (sm_90a) kernels may run: on a compute capability 9 device unless
+// KDA_ATTENTION_WGMMA=0 (side-by-side timing and checking of the mma.sync kernels).
+bool attention_wgmma_enabled();
 // Whether the tensor-core kernels take 32 query rows a warp (128-row blocks) over 16: when
 // there are at least 3 blocks of 128 rows per SM (1.5 waves at the two per SM that fit); with
 // fewer, the 64-row blocks' better spread wins. Measured on the H200 (forward, causal): D = 128,
@@ -125,9 +128,9 @@ void launch_attention_generic(const AttentionParams& p, bool elem_bf16, cudaStre
 // (launching nothing) when this shape or layout has no instantiation (the caller falls back to
 // the generic kernel).
 bool launch_attention_prefill(const AttentionParams& p, cudaStream_t stream);
-// The wgmma (sm_90a) forward for head dims 128 / 128 (attention_prefill_wgmma.cu), work in
-// progress: launches only with KDA_ATTENTION_WGMMA=1 on a compute capability 9 device and
-// returns whether it did.
+// The wgmma (sm_90a) forward for head dims 128 / 128 (attention_prefill_wgmma.cu): launches when
+// KDA_ATTENTION_WGMMA_FORWARD=1 (slower than the mma.sync kernel for now),
+// attention_wgmma_enabled() and the layout allows, and returns whether it did.
 bool launch_attention_prefill_wgmma(const AttentionParams& p, cudaStream_t stream);
 // The wgmma building blocks alone (wgmma_probe.cu): bf16 a [64, 128], b [64, 128], p [64, 64],
 // v [64, 128] (device, row-major) -> s = a b^T [64, 64] and o = p v [64, 128] (fp32). False

@@ -1,6 +1,9 @@
 // Causal flash attention forward for bf16 with head dims 128 / 128 on wgmma (sm_90a): the
-// FlashAttention-3 route without its producer warpgroup (work in progress: selected only with
-// KDA_ATTENTION_WGMMA=1 until the H200 has checked it; attention_prefill.cu is the default).
+// FlashAttention-3 route without its producer warpgroup. Opt-in (KDA_ATTENTION_WGMMA_FORWARD=1):
+// on the H200 it is slower than attention_prefill.cu's mma.sync kernel (T = 2048, H = 32:
+// 0.172 against 0.167 ms; T = 8192: 2.225 against 2.050 ms): one block of 8 warps an SM, the
+// loads and V's transpose on the same warps as the products and one barrier a tile keep the
+// tensor cores idle; the step that pays is a producer warp with TMA and mbarriers.
 //
 // A block of two warpgroups owns 128 queries of one head (warpgroup w: rows 64 w .. 64 w + 63)
 // and walks the key tiles of 64 keys its queries see, double-buffered:
@@ -8,10 +11,11 @@
 //   online softmax on the S accumulators (the mma.sync C layout: rows g, g + 8 of each warp)
 //   O += P V       4 x wgmma m64n128k16, P from registers (the accumulators repacked to bf16),
 //                  V^T from shared memory (K-major: V is transposed on its way in)
-// Q and K arrive by cp.async into their swizzled places; V is read into registers a tile ahead
-// and stored transposed (a 32-bit store holds two keys of one head dim) after this tile's
-// products. Every tile: wait for its copies, fence.proxy.async (generic writes -> wgmma reads),
-// one barrier; one more barrier at its end before its buffers are refilled.
+// S of tile j + 1 and O += P_j V_j are issued together and the softmax of tile j + 1 runs while
+// the second product does (FlashAttention-3's intra-warpgroup overlap).
+// Q and K arrive by cp.async into their swizzled places two tiles ahead; V is read into
+// registers two tiles ahead and stored transposed (a 32-bit store holds two keys of one head dim)
+// one tile ahead. One barrier a tile (after fence.proxy.async: generic writes -> wgmma reads).
 // Query tiles run heaviest first over the whole grid (attention_tile_grid).
 #include <cuda_bf16.h>
 
@@ -42,11 +46,6 @@ constexpr uint32_t kSmemBytes = 2 * kQCol + 2 * kKBuf + 2 * kVtBuf;
 constexpr size_t kSmemLaunch = kSmemBytes + 1024;  // + room to align the base to 1024
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-
-// Keeps the compiler from moving reads of an accumulator above the wgmma wait.
-__device__ __forceinline__ void fence_operand(float& x) {
-  asm volatile("" : "+f"(x)::"memory");
-}
 
 __global__ void __launch_bounds__(kThreads, 1) attention_prefill_wgmma_kernel(AttentionParams p) {
 #ifdef KDA_WGMMA
@@ -129,12 +128,6 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_wgmma_kernel(At
     }
   };
 
-  load_rows(Qs, kQCol, qsrc, p.q_stride, kBM, q_rows);
-  load_k(0, 0);
-  cp_async_commit();
-  load_v(0);
-  store_vt(0);
-
   float o[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
@@ -144,23 +137,9 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_wgmma_kernel(At
   const int64_t qpos_base = p.q_offset + q0 + row_in_block;
   const unsigned char* q_wg = Qs + wg * 64 * kRowBytes;
 
-  for (int j = 0; j < ntiles; ++j) {
-    const int buf = j & 1;
-    if (j + 1 < ntiles) {
-      load_k(j + 1, buf ^ 1);
-      cp_async_commit();
-      load_v(j + 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    fence_proxy_async();
-    __syncthreads();
-
-    // S = Q K^T (64 rows of this warpgroup x 64 keys)
-    float s[32];
-    const unsigned char* k_buf = Ks + buf * kKBuf;
-    wgmma_fence();
+  // S = Q K^T of tile `tile` (64 rows of this warpgroup x 64 keys), issued and committed
+  const auto issue_s = [&](float(&s)[32], int tile) {
+    const unsigned char* k_buf = Ks + (tile & 1) * kKBuf;
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks) {
       const uint32_t off = (ks & 3) * 32, col = (ks >> 2);
@@ -168,12 +147,17 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_wgmma_kernel(At
                          sw128_desc(k_buf + col * kKCol + off), ks > 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < 32; ++i) fence_operand(s[i]);
-
-    // mask, online softmax in log2 units (max over raw scores; one FMA per probability)
-    const int64_t key0 = int64_t(j) * kBN;
+  };
+  // Mask, online softmax in log2 units (max over raw scores; one FMA per probability); P packed
+  // into the A fragments of O += P V (keys [16 kk, 16 kk + 16): n8 blocks 2 kk, 2 kk + 1).
+  // Returns the factor the O accumulated so far must take.
+  // Mask, online softmax in log2 units (max over raw scores; one FMA per probability); P packed
+  // into the A fragments of O += P V (keys [16 kk, 16 kk + 16): n8 blocks 2 kk, 2 kk + 1). S is
+  // only read: writing an accumulator while another product is in flight serializes the wgmmas.
+  // Sets the factor the O accumulated so far must take.
+  const auto softmax = [&](const float(&s)[32], int tile, uint32_t(&pa)[kBN / 16][4],
+                           float(&alpha)[2]) {
+    const int64_t key0 = int64_t(tile) * kBN;
     const bool need_mask = key0 + kBN - 1 > p.q_offset + q0 || key0 + kBN > p.Tk;
     int last[2] = {kBN, kBN};
     if (need_mask) {
@@ -181,15 +165,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_wgmma_kernel(At
       for (int r = 0; r < 2; ++r)
         last[r] = int(max(int64_t(-1), min(int64_t(kBN), min(qpos_base + 8 * r, p.Tk - 1) - key0)));
     }
+    const auto masked = [&](int i) {
+      return need_mask && (i >> 2) * 8 + 2 * t4 + (i & 1) > last[(i >> 1) & 1];
+    };
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int n = 0; n < kBN / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (need_mask && n * 8 + 2 * t4 + (e & 1) > last[e >> 1]) s[4 * n + e] = -INFINITY;
-        mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * n + e]);
-      }
-    float alpha[2], m_use[2];
+    for (int i = 0; i < 32; ++i)
+      if (!masked(i)) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+    float m_use[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
@@ -199,49 +182,109 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_wgmma_kernel(At
       alpha[r] = fast_exp2(m_run[r] - m_use[r]);
       m_run[r] = m_new;
     }
-    float rowsum[2] = {0.f, 0.f};
+    float pv[32], rowsum[2] = {0.f, 0.f};
 #pragma unroll
-    for (int n = 0; n < kBN / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float pv = fast_exp2(fmaf(s[4 * n + e], scale_log2, -m_use[e >> 1]));
-        s[4 * n + e] = pv;
-        rowsum[e >> 1] += pv;
-      }
+    for (int i = 0; i < 32; ++i) {
+      pv[i] = masked(i) ? 0.f : fast_exp2(fmaf(s[i], scale_log2, -m_use[(i >> 1) & 1]));
+      rowsum[(i >> 1) & 1] += pv[i];
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rowsum[r];
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-      for (int n = 0; n < kD / 8; ++n) {
-        o[4 * n + 0] *= alpha[0];
-        o[4 * n + 1] *= alpha[0];
-        o[4 * n + 2] *= alpha[1];
-        o[4 * n + 3] *= alpha[1];
-      }
-    }
+    for (int kk = 0; kk < kBN / 16; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pa[kk][e] = pack_bf16(pv[8 * kk + 2 * e], pv[8 * kk + 2 * e + 1]);
+  };
 
-    // O += P V: P's A fragment for keys [16 kk, 16 kk + 16) is n8 blocks 2 kk and 2 kk + 1,
-    // all packed before the fence (registers written between wgmmas cost an injected arrive)
-    uint32_t pa[kBN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk) {
-      pa[kk][0] = pack_bf16(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
-    }
-    const unsigned char* vt_buf = Vt + buf * kVtBuf;
+  // Prologue: Q, K of tiles 0 and 1, V^T of tile 0 stored, V of tile 1 in registers; S and P of
+  // tile 0.
+  load_rows(Qs, kQCol, qsrc, p.q_stride, kBM, q_rows);
+  load_k(0, 0);
+  if (ntiles > 1) load_k(1, 1);
+  cp_async_commit();
+  load_v(0);
+  store_vt(0);
+  if (ntiles > 1) load_v(1);
+  cp_async_wait<0>();
+  fence_proxy_async();
+  __syncthreads();
+  uint32_t pa[kBN / 16][4];
+  {
+    float s[32], alpha[2];
     wgmma_fence();
+    issue_s(s, 0);
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 32; ++i) fence_operand(s[i]);
+    softmax(s, 0, pa, alpha);  // alpha = 0 against the empty O
+  }
+  __syncthreads();  // every warpgroup done with K of tile 0 before tile 2 replaces it
+
+  // Tile j (FlashAttention-3's intra-warpgroup overlap): S of tile j + 1 and O += P_j V_j go to
+  // the tensor cores together; the softmax of tile j + 1 runs while the second one does. At the
+  // top of the iteration K of tile j + 1 and V^T of tile j are in shared memory, P_j in pa.
+  for (int j = 0; j < ntiles; ++j) {
+    const bool has_next = j + 1 < ntiles;
+    // refill the buffers the last iteration finished with (every warpgroup is past its barrier)
+    if (has_next) store_vt((j + 1) & 1);
+    if (j + 2 < ntiles) {
+      load_k(j + 2, j & 1);
+      cp_async_commit();
+      load_v(j + 2);
+    }
+    float s[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) fence_operand(s[i]);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) fence_operand(o[i]);
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) fence_operand(pa[kk][e]);
+    wgmma_fence();
+    if (has_next) issue_s(s, j + 1);
+    const unsigned char* vt_buf = Vt + (j & 1) * kVtBuf;
 #pragma unroll
     for (int kk = 0; kk < kBN / 16; ++kk)
       wgmma_m64n128k16_rs(o, pa[kk], sw128_desc(vt_buf + kk * 32));
     wgmma_commit();
-    wgmma_wait<0>();
+    if (has_next) {
+      wgmma_wait<1>();  // S of tile j + 1
 #pragma unroll
-    for (int i = 0; i < 64; ++i) fence_operand(o[i]);
-
-    if (j + 1 < ntiles) store_vt(buf ^ 1);
-    __syncthreads();  // every warpgroup is done with buffer `buf` before it is refilled
+      for (int i = 0; i < 32; ++i) fence_operand(s[i]);
+      uint32_t pa_next[kBN / 16][4];
+      float alpha[2];
+      softmax(s, j + 1, pa_next, alpha);
+      wgmma_wait<0>();  // O += P_j V_j
+#pragma unroll
+      for (int i = 0; i < 64; ++i) fence_operand(o[i]);
+        // P_j stays live until the product reading it is done (else its registers take P_j+1)
+#pragma unroll
+      for (int kk = 0; kk < kBN / 16; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) fence_operand(pa[kk][e]);
+      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+        for (int n = 0; n < kD / 8; ++n) {
+          o[4 * n + 0] *= alpha[0];
+          o[4 * n + 1] *= alpha[0];
+          o[4 * n + 2] *= alpha[1];
+          o[4 * n + 3] *= alpha[1];
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < kBN / 16; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pa[kk][e] = pa_next[kk][e];
+    } else {
+      wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < 64; ++i) fence_operand(o[i]);
+    }
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();  // copies and V^T stores visible; every warpgroup done with this tile's
+                      // buffers
   }
 
   // Row sums over the quad, normalise, write lse and the rows.
@@ -274,15 +317,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_wgmma_kernel(At
 #endif
 }
 
-bool wgmma_requested() {
-  const char* env = std::getenv("KDA_ATTENTION_WGMMA");
-  return env != nullptr && std::string_view(env) == "1";
-}
-
 }  // namespace
 
 bool launch_attention_prefill_wgmma(const AttentionParams& p, cudaStream_t stream) {
-  if (!wgmma_requested() || attention_cc_major() != 9) return false;
+  static const bool requested = [] {
+    const char* env = std::getenv("KDA_ATTENTION_WGMMA_FORWARD");
+    return env != nullptr && std::string_view(env) == "1";
+  }();
+  if (!requested || !attention_wgmma_enabled()) return false;
   if (p.Dk != kD || p.Dv != kD) return false;
   // 16-byte rows for cp.async / uint4 loads, 8-byte o pairs
   if (p.q_stride % 8 != 0 || p.k_stride % 8 != 0 || p.v_stride % 8 != 0) return false;

@@ -34,6 +34,16 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* tile) {
          (uint64_t(1) << 62);
 }
 
+// Pins a wgmma operand register between the asm statements around it: the compiler may not
+// move its reads above a wgmma wait, nor its writes below a wgmma fence (a register written
+// inside a wgmma pipeline stage makes ptxas serialize every wgmma of the kernel).
+__device__ __forceinline__ void fence_operand(float& x) {
+  asm volatile("" : "+f"(x)::"memory");
+}
+__device__ __forceinline__ void fence_operand(uint32_t& x) {
+  asm volatile("" : "+r"(x)::"memory");
+}
+
 #ifdef KDA_WGMMA
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -44,6 +54,15 @@ __device__ __forceinline__ void wgmma_commit() {
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Four 8 x 8 bf16 matrices stored transposed: register j holds matrix j in the mma fragment
+// layout (row lane / 4, columns 2 (lane % 4) and + 1); lane 8 j + i gives the address of stored
+// row i of matrix j (16 bytes: column i of the fragment's matrix).
+__device__ __forceinline__ void stmatrix_x4_trans(void* row, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                   smem_addr(row)),
+               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
 }
 // Generic-proxy writes to shared memory (st.shared, cp.async) made visible to wgmma's reads.
 __device__ __forceinline__ void fence_proxy_async() {
