@@ -698,9 +698,48 @@ void bench_rotary() {
   std::fflush(stdout);
 }
 
+// The short convolution + SiLU at the hybrid trainer's shape (one of q / k / v: fp32 columns of
+// [q | k | v] rows, 8 x 2048 tokens, 768 channels, width 4): the forward into bf16 rows, the
+// backward from bf16 dy into a bf16 column block of [dq | dk | dv | dg] rows (+ dweight).
+// Bytes: the forward reads x, writes y; the backward reads x and dy, writes dx.
+void bench_short_conv() {
+  const int64_t rows = 16384, C = 768, W = 4, xs = 3 * C, dxs = 4 * C;
+  const std::vector<float> x = random_values(size_t(rows * xs), fresh_seed());
+  const std::vector<float> w = random_values(size_t(C * W), fresh_seed(), 0.8f);
+  std::vector<int32_t> pos(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) pos[size_t(r)] = int32_t(r % 2048);
+  const DeviceBuffer d_x = upload(x), d_w = upload(w), d_pos = upload_ints(pos);
+  const DeviceArray dy =
+      to_device(random_values(size_t(rows * C), fresh_seed()), ElementType::bf16);
+  DeviceBuffer d_y(size_t(rows * C) * 2), d_dx(size_t(rows * dxs) * 2), d_dw = upload(w);
+  cu::TrainScratch scratch;
+  const double fwd_ms = time_ms(nullptr, [&] {
+    cu::short_conv_silu_train_forward(d_x.as<float>(), d_pos.as<int32_t>(), rows, C, xs,
+                                      d_w.as<float>(), W, {d_y.data(), ElementType::bf16, 0},
+                                      nullptr);
+  });
+  const double bwd_ms = time_ms(nullptr, [&] {
+    cu::short_conv_silu_train_backward(d_x.as<float>(), d_pos.as<int32_t>(), rows, C, xs,
+                                       d_w.as<float>(), W, dy.data(), ElementType::bf16,
+                                       {d_dx.data(), ElementType::bf16, dxs}, d_dw.as<float>(),
+                                       scratch, nullptr);
+  });
+  const double fwd_gb = double(rows * C) * (4 + 2) / 1e9,
+               bwd_gb = double(rows * C) * (4 + 2 + 2) / 1e9;
+  std::printf(
+      "BENCH lineage_ops short_conv rows=%lld C=%lld W=%lld: forward %.1f us (%.0f GB/s), "
+      "backward %.1f us (%.0f GB/s)\n",
+      (long long)rows, (long long)C, (long long)W, fwd_ms * 1e3, fwd_gb / (fwd_ms * 1e-3),
+      bwd_ms * 1e3, bwd_gb / (bwd_ms * 1e-3));
+  std::fflush(stdout);
+}
+
 void run_suite(const SuiteOptions& options, Tally& tally) {
   if (options.check) run_lineage_ops(options, tally);
-  if (options.bench) bench_rotary();
+  if (options.bench) {
+    bench_rotary();
+    bench_short_conv();
+  }
 }
 
 const bool registered = register_suite("lineage_ops", run_suite);

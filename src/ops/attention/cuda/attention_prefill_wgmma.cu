@@ -33,21 +33,24 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
-constexpr int kD = 128;   // Dk = Dv
-constexpr int kBM = 128;  // queries a block
-constexpr int kBN = 64;   // keys a tile
-constexpr int kThreads = 256;
-constexpr uint32_t kRowBytes = 128;          // a swizzled row: 64 bf16
-constexpr uint32_t kQCol = kBM * kRowBytes;  // one 64-wide column tile of Q
-constexpr uint32_t kKCol = kBN * kRowBytes;  // one 64-wide column tile of K
-constexpr uint32_t kKBuf = 2 * kKCol;        // K of one tile (128 dims)
-constexpr uint32_t kVtBuf = kD * kRowBytes;  // V^T of one tile: 128 dim rows x 64 keys
+constexpr int kD = 128;  // Dk = Dv
+constexpr int kWarpgroups = 2;
+constexpr int kBM = 64 * kWarpgroups;  // queries a block
+constexpr int kBN = 64;                // keys a tile
+constexpr int kThreads = 128 * kWarpgroups;
+constexpr int kVChunks = 16 * 32 / kThreads;  // 8-dim chunks of V a thread loads (2 keys each)
+constexpr uint32_t kRowBytes = 128;           // a swizzled row: 64 bf16
+constexpr uint32_t kQCol = kBM * kRowBytes;   // one 64-wide column tile of Q
+constexpr uint32_t kKCol = kBN * kRowBytes;   // one 64-wide column tile of K
+constexpr uint32_t kKBuf = 2 * kKCol;         // K of one tile (128 dims)
+constexpr uint32_t kVtBuf = kD * kRowBytes;   // V^T of one tile: 128 dim rows x 64 keys
 constexpr uint32_t kSmemBytes = 2 * kQCol + 2 * kKBuf + 2 * kVtBuf;
 constexpr size_t kSmemLaunch = kSmemBytes + 1024;  // + room to align the base to 1024
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-__global__ void __launch_bounds__(kThreads, 1) attention_prefill_wgmma_kernel(AttentionParams p) {
+__global__ void __launch_bounds__(kThreads, 2 / kWarpgroups)
+    attention_prefill_wgmma_kernel(AttentionParams p) {
 #ifdef KDA_WGMMA
   extern __shared__ unsigned char smem_raw[];
   // the shared-window address 1024-byte aligned (the descriptors and the swizzle see it)
@@ -94,20 +97,21 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_wgmma_kernel(At
               int(min(int64_t(kBN), p.Tk - key0)));
   };
   // V of a tile into registers: thread t holds keys 2 (t % 32) and 2 (t % 32) + 1, head-dim
-  // chunks t / 32 and t / 32 + 8 (8 dims each)
+  // chunks t / 32 + (kThreads / 32) i (8 dims each)
   const int vpair = tid & 31, vchunk = tid >> 5;
-  uint4 vreg[2][2];
+  uint4 vreg[kVChunks][2];
   const auto load_v = [&](int tile) {
     const int64_t key0 = int64_t(tile) * kBN;
     const int valid = int(min(int64_t(kBN), p.Tk - key0));
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < kVChunks; ++i)
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
         const int key = 2 * vpair + k;
-        vreg[i][k] = key < valid ? *reinterpret_cast<const uint4*>(
-                                       vbase + (key0 + key) * p.v_stride + (vchunk + 8 * i) * 8)
-                                 : make_uint4(0u, 0u, 0u, 0u);
+        vreg[i][k] = key < valid
+                         ? *reinterpret_cast<const uint4*>(vbase + (key0 + key) * p.v_stride +
+                                                           (vchunk + (kThreads / 32) * i) * 8)
+                         : make_uint4(0u, 0u, 0u, 0u);
       }
   };
   // ... stored transposed: V^T row = head dim, column = key; one 32-bit store per dim holds
@@ -115,14 +119,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_wgmma_kernel(At
   const auto store_vt = [&](int buf) {
     unsigned char* dst = Vt + buf * kVtBuf;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < kVChunks; ++i) {
       const uint32_t* lo = reinterpret_cast<const uint32_t*>(&vreg[i][0]);
       const uint32_t* hi = reinterpret_cast<const uint32_t*>(&vreg[i][1]);
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         const uint32_t a = (lo[e >> 1] >> (16 * (e & 1))) & 0xFFFFu;
         const uint32_t c = (hi[e >> 1] >> (16 * (e & 1))) & 0xFFFFu;
-        const int dim = (vchunk + 8 * i) * 8 + e;
+        const int dim = (vchunk + (kThreads / 32) * i) * 8 + e;
         *reinterpret_cast<uint32_t*>(dst + sw128_offset(dim, 2 * vpair)) = a | (c << 16);
       }
     }

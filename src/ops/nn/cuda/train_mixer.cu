@@ -142,35 +142,65 @@ double* reserve_partials(TrainScratch& scratch, const ChunkPlan& p, int64_t cols
 
 // ---- short convolution over packed sequences ----
 
-// The pre-activation a[r, c] = sum_j w[c, j] x[r - P + j, c] with inputs before the sequence's
-// start (P - j > positions[r]) as 0, in the CPU's order without contraction.
+// The pre-activation of row t from the window xw (rows t - P .. t, P = W - 1): a = sum_j w[j]
+// xw[j] with inputs before the sequence's start (P - j > position) or before row 0 as 0, in the
+// CPU's order without contraction.
 template <int W>
-__device__ __forceinline__ float conv_preactivation(const float* x, int64_t xs, const float* w,
-                                                    int64_t r, int64_t c, int32_t position) {
-  constexpr int P = W - 1;
-  float acc = 0.0f;
+__device__ __forceinline__ float conv_preactivation(const float (&w)[W], const float (&xw)[W],
+                                                    int32_t position, int64_t t) {
+  float a = 0.0f;
 #pragma unroll
   for (int j = 0; j < W; ++j) {
-    const int back = P - j;
-    const float v = back <= position && back <= r ? x[(r - back) * xs + c] : 0.0f;
-    acc = __fadd_rn(acc, __fmul_rn(w[j], v));
+    const int back = W - 1 - j;
+    const float v = back <= position && back <= t ? xw[j] : 0.0f;
+    a = __fadd_rn(a, __fmul_rn(w[j], v));
   }
-  return acc;
+  return a;
 }
 
+// One (row chunk, column) a thread, walking the chunk's rows in order with the last W inputs in
+// registers: each input is read once (coalesced across the warp's columns), kAhead rows at a
+// time so each thread keeps several loads in flight.
 template <int W, class OutT>
-__global__ void conv_train_forward_kernel(const float* x, const int32_t* positions, int64_t rows,
-                                          int64_t C, int64_t xs, const float* weight, OutT* y,
-                                          int64_t ys) {
-  const int64_t n = rows * C;
-  const int64_t step = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
-    const int64_t r = i / C, c = i - r * C;
-    float w[W];
+__global__ void __launch_bounds__(kThreads)
+    conv_train_forward_kernel(const float* x, const int32_t* positions, int64_t rows, int64_t C,
+                              int64_t xs, const float* weight, OutT* y, int64_t ys,
+                              int64_t rows_per_chunk) {
+  constexpr int P = W - 1;
+  constexpr int kAhead = 8;
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const int64_t first = int64_t(blockIdx.y) * rows_per_chunk;
+  const int64_t end = first + rows_per_chunk < rows ? first + rows_per_chunk : rows;
+  float w[W];
 #pragma unroll
-    for (int j = 0; j < W; ++j) w[j] = weight[c * W + j];
-    const float a = conv_preactivation<W>(x, xs, w, r, c, positions[r]);
-    store_one(y + r * ys + c, a / (1.0f + expf(-a)));
+  for (int j = 0; j < W; ++j) w[j] = weight[c * W + j];
+  // xw[j] holds row t - P + j (0 before row 0); index P is filled with row t each step
+  float xw[W];
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    const int64_t r = first - W + j;
+    xw[j] = j > 0 && r >= 0 ? x[r * xs + c] : 0.0f;
+  }
+  for (int64_t t0 = first; t0 < end; t0 += kAhead) {
+    float xa[kAhead];
+    int32_t pa[kAhead];
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+      const int64_t t = t0 + u;
+      xa[u] = t < end ? x[t * xs + c] : 0.0f;
+      pa[u] = t < end ? positions[t] : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+      const int64_t t = t0 + u;
+      if (t >= end) break;
+#pragma unroll
+      for (int j = 0; j < P; ++j) xw[j] = xw[j + 1];
+      xw[P] = xa[u];
+      const float a = conv_preactivation<W>(w, xw, pa[u], t);
+      store_one(y + t * ys + c, a / (1.0f + expf(-a)));
+    }
   }
 }
 
@@ -183,12 +213,12 @@ __global__ void conv_train_forward_kernel(const float* x, const int32_t* positio
 // [chunk, c, W]. The chunk re-reads the P rows before it and the P after it; da never goes to
 // memory. Rows are loaded kAhead at a time so each thread keeps several loads in flight.
 template <int W, class DyT, class OutT>
-__global__ void __launch_bounds__(kThreads, 4)
+__global__ void __launch_bounds__(kThreads, 3)
     conv_train_backward_kernel(const float* x, const int32_t* positions, int64_t rows, int64_t C,
                                int64_t xs, const float* weight, const DyT* dy, OutT* dx,
                                int64_t dxs, int64_t rows_per_chunk, double* partials) {
   constexpr int P = W - 1;
-  constexpr int kAhead = 4;
+  constexpr int kAhead = 8;
   const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= C) return;
   const int64_t chunk = blockIdx.y;
@@ -239,15 +269,8 @@ __global__ void __launch_bounds__(kThreads, 4)
       pw[P] = pa[u];
       float da = 0.0f;
       if (t < rows) {
-        // the pre-activation in the CPU's order without contraction (conv_preactivation)
         const int32_t position = pa[u];
-        float a = 0.0f;
-#pragma unroll
-        for (int j = 0; j < W; ++j) {
-          const int back = P - j;
-          const float v = back <= position && back <= t ? xw[j] : 0.0f;
-          a = __fadd_rn(a, __fmul_rn(w[j], v));
-        }
+        const float a = conv_preactivation<W>(w, xw, position, t);
         const float s = 1.0f / (1.0f + expf(-a));
         da = dya[u] * s * (1.0f + a * (1.0f - s));
         if (t < end) {
@@ -516,12 +539,13 @@ void short_conv_silu_train_forward(const float* x, const int32_t* positions, int
   require(y.data != static_cast<const void*>(x),
           std::string(what) + ": y must not overlap x (outputs read earlier rows of x)");
   const int64_t ys = out_stride(y, C);
+  const ChunkPlan plan = chunk_plan(rows, C);
+  const dim3 grid(unsigned(plan.column_blocks), unsigned(plan.chunks));
   dispatch_type(y.type, [&](auto* tag) {
     using OutT = Elem<decltype(tag)>;
     with_width(W, [&](auto width) {
-      conv_train_forward_kernel<decltype(width)::value, OutT>
-          <<<grid_for(rows * C, kThreads), kThreads, 0, stream>>>(x, positions, rows, C, xs, weight,
-                                                                  static_cast<OutT*>(y.data), ys);
+      conv_train_forward_kernel<decltype(width)::value, OutT><<<grid, plan.threads, 0, stream>>>(
+          x, positions, rows, C, xs, weight, static_cast<OutT*>(y.data), ys, plan.rows_per_chunk);
     });
   });
   check_launch(what);
