@@ -52,7 +52,7 @@ void dispatch_type(ElementType type, Fn&& fn) {
     fn(static_cast<float*>(nullptr));
 }
 
-// ---- V consecutive elements (V = 1 or 4; V = 4 needs V-element alignment) ----
+// ---- V consecutive elements (V = 1 or 4, and 8 for bf16; V > 1 needs V-element alignment) ----
 template <int V>
 struct Vec {
   float v[V];
@@ -74,7 +74,15 @@ __device__ __forceinline__ Vec<V> load_vec(const float* p) {
 template <int V>
 __device__ __forceinline__ Vec<V> load_vec(const __nv_bfloat16* p) {
   Vec<V> r;
-  if constexpr (V == 4) {
+  if constexpr (V == 8) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 a = __bfloat1622float2(h[i]);
+      r.v[2 * i] = a.x, r.v[2 * i + 1] = a.y;
+    }
+  } else if constexpr (V == 4) {
     const uint2 raw = *reinterpret_cast<const uint2*>(p);
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
     const float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
@@ -98,7 +106,13 @@ __device__ __forceinline__ void store_vec(float* p, const Vec<V>& x) {
 
 template <int V>
 __device__ __forceinline__ void store_vec(__nv_bfloat16* p, const Vec<V>& x) {
-  if constexpr (V == 4) {
+  if constexpr (V == 8) {
+    uint4 raw;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(x.v[2 * i], x.v[2 * i + 1]);
+    *reinterpret_cast<uint4*>(p) = raw;
+  } else if constexpr (V == 4) {
     uint2 raw;
     __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
     h[0] = __floats2bfloat162_rn(x.v[0], x.v[1]);

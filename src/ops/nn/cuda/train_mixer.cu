@@ -353,13 +353,15 @@ __global__ void rotary_kernel(T* x, const int32_t* positions, int64_t rows, int6
   }
 }
 
-// The same rotation, a thread per row and run of 8 pairs (k0 .. k0 + 7): 4-wide loads and
-// stores (a quarter of the scalar kernel's memory instructions, which bound it), the 8 angles
-// computed once for all H heads. Needs D / 2 % 8 == 0 and 4-element alignment of x and xs.
+// The same rotation, a thread per row and run of 8 pairs (k0 .. k0 + 7): 16-byte loads and
+// stores (the scalar kernel was bound by its 2-byte memory instructions; 8-byte ones left half
+// of each 16 bytes to a second instruction), the 8 angles computed once for all H heads. Needs
+// D / 2 % 8 == 0 and 16-byte alignment of x and x_stride.
 template <class T>
 __global__ void rotary_vec_kernel(T* x, const int32_t* positions, int64_t rows, int64_t H,
                                   int64_t D, int64_t xs, float sign) {
   constexpr int kPairs = 8;
+  constexpr int kChunk = sizeof(T) == 2 ? 8 : 4;  // elements of one 16-byte access
   const int64_t half = D / 2, runs = half / kPairs;
   const int64_t n = rows * runs;
   const int64_t step = int64_t(gridDim.x) * blockDim.x;
@@ -378,17 +380,18 @@ __global__ void rotary_vec_kernel(T* x, const int32_t* positions, int64_t rows, 
     for (int64_t h = 0; h < H; ++h) {
       T* head = row + h * D + k0;
 #pragma unroll
-      for (int q = 0; q < kPairs / 4; ++q) {
-        const Vec<4> a = load_vec<4>(head + 4 * q), b = load_vec<4>(head + half + 4 * q);
-        Vec<4> oa, ob;
+      for (int q = 0; q < kPairs / kChunk; ++q) {
+        const Vec<kChunk> a = load_vec<kChunk>(head + kChunk * q);
+        const Vec<kChunk> b = load_vec<kChunk>(head + half + kChunk * q);
+        Vec<kChunk> oa, ob;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float ce = c[4 * q + e], se = s[4 * q + e];
+        for (int e = 0; e < kChunk; ++e) {
+          const float ce = c[kChunk * q + e], se = s[kChunk * q + e];
           oa.v[e] = __fsub_rn(__fmul_rn(a.v[e], ce), __fmul_rn(b.v[e], se));
           ob.v[e] = __fadd_rn(__fmul_rn(a.v[e], se), __fmul_rn(b.v[e], ce));
         }
-        store_vec<4>(head + 4 * q, oa);
-        store_vec<4>(head + half + 4 * q, ob);
+        store_vec<kChunk>(head + kChunk * q, oa);
+        store_vec<kChunk>(head + half + kChunk * q, ob);
       }
     }
   }
@@ -617,7 +620,8 @@ void rotary_embedding(void* x, ElementType type, const int32_t* positions, int64
   dispatch_type(type, [&](auto* tag) {
     using T = Elem<decltype(tag)>;
     T* xt = static_cast<T*>(x);
-    if ((D / 2) % 8 == 0 && xs % 4 == 0 && aligned_for(xt, 4, sizeof(T)))
+    const int64_t chunk = 16 / int64_t(sizeof(T));
+    if ((D / 2) % 8 == 0 && xs % chunk == 0 && aligned_for(xt, chunk, sizeof(T)))
       rotary_vec_kernel<T><<<grid_for(rows * (D / 16), kThreads), kThreads, 0, stream>>>(
           xt, positions, rows, H, D, xs, float(direction));
     else
