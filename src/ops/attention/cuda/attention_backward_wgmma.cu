@@ -97,18 +97,9 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd_wgmma_kernel(Attent
   const float* lse2_base = p.lse2 + b * p.Hq * p.Tq_pad;
   const float* delta_base = p.delta + b * p.Hq * p.Tq_pad;
 
-  // rows x 16 chunks of 16 bytes into swizzled column tiles `col_bytes` apart; rows >= valid
-  // are zero-filled
   const auto load_rows = [&](unsigned char* dst, uint32_t col_bytes, const bf16* src,
                              int64_t stride, int rows, int valid) {
-    for (int idx = tid; idx < rows * 16; idx += kThreads) {
-      const int r = idx >> 4, c = idx & 15;
-      unsigned char* d = dst + (c >> 3) * col_bytes + sw128_offset(r, (c & 7) * 8);
-      if (r < valid)
-        cp_async16(d, src + int64_t(r) * stride + c * 8);
-      else
-        *reinterpret_cast<uint4*>(d) = make_uint4(0u, 0u, 0u, 0u);
-    }
+    load_rows_sw128<kThreads>(dst, col_bytes, src, stride, rows, valid, tid);
   };
   const auto load_q = [&](int it, int buf) {
     const int h = kvh * group + it / nqt;
@@ -209,11 +200,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd_wgmma_kernel(Attent
     }
     wgmma_commit();
     wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      fence_operand(st[i]);
-      fence_operand(dpt[i]);
-    }
+    fence_operands(st);
+    fence_operands(dpt);
 
     // P^T and dS^T: row (key) g + 8 (e >= 2) of the warp, column (query) 8 n + 2 t + (e & 1).
     // Padded queries have lse2 = +inf (P = 0); keys past Tk are zero rows never written.
@@ -269,8 +257,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd_wgmma_kernel(Attent
     __syncthreads();  // both warpgroups' halves of dS written
     // dQ (64 queries x this warpgroup's 64 head dims) = dS (64 x 128 keys) K (128 keys x 64 dims)
     float dq[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) fence_operand(dq[i]);
+    fence_operands(dq);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kBK / 16; ++ks) {
@@ -280,20 +267,11 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd_wgmma_kernel(Attent
     }
     wgmma_commit();
     wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < 64; ++i) {
-      fence_operand(dk[i]);
-      fence_operand(dv[i]);
-    }
-#pragma unroll
-    for (int i = 0; i < 32; ++i) fence_operand(dq[i]);
-#pragma unroll
-    for (int kk = 0; kk < kBQ / 16; ++kk)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        fence_operand(pa[kk][e]);
-        fence_operand(sa[kk][e]);
-      }
+    fence_operands(dk);
+    fence_operands(dv);
+    fence_operands(dq);
+    fence_operands(pa);
+    fence_operands(sa);
     // dQ into the fp32 accumulator (every key block of the head adds its share; scaled and
     // cast by attention_bwd_dq_cast_kernel)
     {

@@ -78,18 +78,9 @@ __global__ void __launch_bounds__(kThreads, 2 / kWarpgroups)
   const bf16* kbase = static_cast<const bf16*>(p.k) + b * p.k_bstride + int64_t(kvh) * kD;
   const bf16* vbase = static_cast<const bf16*>(p.v) + b * p.v_bstride + int64_t(kvh) * kD;
 
-  // rows x 16 chunks of 16 bytes into swizzled column tiles `col_bytes` apart; rows >= valid
-  // are zero-filled
   const auto load_rows = [&](unsigned char* dst, uint32_t col_bytes, const bf16* src,
                              int64_t stride, int rows, int valid) {
-    for (int idx = tid; idx < rows * 16; idx += kThreads) {
-      const int r = idx >> 4, c = idx & 15;
-      unsigned char* d = dst + (c >> 3) * col_bytes + sw128_offset(r, (c & 7) * 8);
-      if (r < valid)
-        cp_async16(d, src + int64_t(r) * stride + c * 8);
-      else
-        *reinterpret_cast<uint4*>(d) = make_uint4(0u, 0u, 0u, 0u);
-    }
+    load_rows_sw128<kThreads>(dst, col_bytes, src, stride, rows, valid, tid);
   };
   const auto load_k = [&](int tile, int buf) {
     const int64_t key0 = int64_t(tile) * kBN;
@@ -218,8 +209,7 @@ __global__ void __launch_bounds__(kThreads, 2 / kWarpgroups)
     wgmma_fence();
     issue_s(s, 0);
     wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < 32; ++i) fence_operand(s[i]);
+    fence_operands(s);
     softmax(s, 0, pa, alpha);  // alpha = 0 against the empty O
   }
   __syncthreads();  // every warpgroup done with K of tile 0 before tile 2 replaces it
@@ -237,14 +227,9 @@ __global__ void __launch_bounds__(kThreads, 2 / kWarpgroups)
       load_v(j + 2);
     }
     float s[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) fence_operand(s[i]);
-#pragma unroll
-    for (int i = 0; i < 64; ++i) fence_operand(o[i]);
-#pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) fence_operand(pa[kk][e]);
+    fence_operands(s);
+    fence_operands(o);
+    fence_operands(pa);
     wgmma_fence();
     if (has_next) issue_s(s, j + 1);
     const unsigned char* vt_buf = Vt + (j & 1) * kVtBuf;
@@ -254,19 +239,14 @@ __global__ void __launch_bounds__(kThreads, 2 / kWarpgroups)
     wgmma_commit();
     if (has_next) {
       wgmma_wait<1>();  // S of tile j + 1
-#pragma unroll
-      for (int i = 0; i < 32; ++i) fence_operand(s[i]);
+      fence_operands(s);
       uint32_t pa_next[kBN / 16][4];
       float alpha[2];
       softmax(s, j + 1, pa_next, alpha);
       wgmma_wait<0>();  // O += P_j V_j
-#pragma unroll
-      for (int i = 0; i < 64; ++i) fence_operand(o[i]);
-        // P_j stays live until the product reading it is done (else its registers take P_j+1)
-#pragma unroll
-      for (int kk = 0; kk < kBN / 16; ++kk)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) fence_operand(pa[kk][e]);
+      fence_operands(o);
+      // P_j stays live until the product reading it is done (else its registers take P_j+1)
+      fence_operands(pa);
       if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
         for (int n = 0; n < kD / 8; ++n) {
@@ -282,8 +262,7 @@ __global__ void __launch_bounds__(kThreads, 2 / kWarpgroups)
         for (int e = 0; e < 4; ++e) pa[kk][e] = pa_next[kk][e];
     } else {
       wgmma_wait<0>();
-#pragma unroll
-      for (int i = 0; i < 64; ++i) fence_operand(o[i]);
+      fence_operands(o);
     }
     cp_async_wait<0>();
     fence_proxy_async();

@@ -13,6 +13,8 @@
 // g + 8 (e >= 2), column 8 j + 2 t + (e & 1) (g = lane / 4, t = lane % 4), the mma.sync C
 // layout; a register A fragment is the mma.sync m16k16 A fragment of the warp's rows.
 #pragma once
+#include <cuda_bf16.h>
+
 #include <cstdint>
 
 #include "ops/delta_rule/cuda/device_common.cuh"
@@ -42,6 +44,36 @@ __device__ __forceinline__ void fence_operand(float& x) {
 }
 __device__ __forceinline__ void fence_operand(uint32_t& x) {
   asm volatile("" : "+r"(x)::"memory");
+}
+
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&x)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) fence_operand(x[i]);
+}
+template <int N>
+__device__ __forceinline__ void fence_operands(uint32_t (&x)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) fence_operand(x[i][e]);
+}
+
+// `rows` rows of 128 bf16 (16 chunks of 16 bytes, from src at `stride` elements a row) by cp.async
+// into two 128-byte-swizzled column tiles `col_bytes` apart; rows >= valid are zero-filled. Every
+// thread of the block (tid of kThreads) takes a share.
+template <int kThreads>
+__device__ __forceinline__ void load_rows_sw128(unsigned char* dst, uint32_t col_bytes,
+                                                const __nv_bfloat16* src, int64_t stride, int rows,
+                                                int valid, int tid) {
+  for (int idx = tid; idx < rows * 16; idx += kThreads) {
+    const int r = idx >> 4, c = idx & 15;
+    unsigned char* d = dst + (c >> 3) * col_bytes + sw128_offset(r, (c & 7) * 8);
+    if (r < valid)
+      cp_async16(d, src + int64_t(r) * stride + c * 8);
+    else
+      *reinterpret_cast<uint4*>(d) = make_uint4(0u, 0u, 0u, 0u);
+  }
 }
 
 #ifdef KDA_WGMMA
