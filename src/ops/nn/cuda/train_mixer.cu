@@ -209,9 +209,12 @@ __global__ void __launch_bounds__(kThreads)
 // silu'(a[t, c]) (the CPU's s (1 + a (1 - s))) for t in [first, end + P); dx[s, c] = sum_j w[c, j]
 // da[s + P - j, c] over the outputs t = s + P - j that see input s (t < rows, positions[t] >= P -
 // j; j in the CPU's order), written as soon as da[s + P] is known; and the chunk's dweight terms
-// da[t, c] x[t - P + j, c] (inputs in t's sequence) summed in row order in fp64 into partials
-// [chunk, c, W]. The chunk re-reads the P rows before it and the P after it; da never goes to
-// memory. Rows are loaded kAhead at a time so each thread keeps several loads in flight.
+// da[t, c] x[t - P + j, c] (inputs in t's sequence) summed in row order (fp32 within the chunk,
+// then fp64 across chunks) into partials [chunk, c, W]. The chunk re-reads the P rows before it
+// and the P after it; da never goes to memory. Rows are loaded kAhead at a time so each thread
+// keeps several loads in flight; row indices inside the chunk are 32-bit and the row pointers
+// advance by their strides (ncu: the 64-bit index arithmetic and fp64 terms made the kernel
+// issue-bound at 0.78 TB/s).
 template <int W, class DyT, class OutT>
 __global__ void __launch_bounds__(kThreads, 3)
     conv_train_backward_kernel(const float* x, const int32_t* positions, int64_t rows, int64_t C,
@@ -224,13 +227,19 @@ __global__ void __launch_bounds__(kThreads, 3)
   const int64_t chunk = blockIdx.y;
   const int64_t first = chunk * rows_per_chunk;
   const int64_t end = first + rows_per_chunk < rows ? first + rows_per_chunk : rows;
+  // chunk-relative counts: rows [first, first + n_out) get dweight terms, [first, first + n_in)
+  // exist, [first, first + n) are walked (the P past `end` complete the last rows' dx)
+  const int n_out = int(end - first);
+  const int n = n_out + P;
+  const int n_in = int(min(rows, end + P) - first);
   float w[W];
 #pragma unroll
   for (int j = 0; j < W; ++j) w[j] = weight[c * W + j];
   // windows over rows t - P .. t (index j holds row t - P + j; before the first step t = first -
   // 1, index 0 is shifted out unread): inputs (0 before row 0), pre-activation gradients (0 past
-  // the last row) and positions (-1 past the last row: no output there sees any input). Rows
-  // before `first` only ever feed the chunk's first pre-activations through xw.
+  // the last row) and positions (-1 past the last row: no output there sees any input), the
+  // positions capped at t so that no window reaches before row 0. Rows before `first` only ever
+  // feed the chunk's first pre-activations through xw.
   float xw[W], daw[W];
   int32_t pw[W];
 #pragma unroll
@@ -240,25 +249,30 @@ __global__ void __launch_bounds__(kThreads, 3)
     daw[j] = 0.0f;
     pw[j] = -1;
   }
-  double acc[W];
+  float acc[W];
 #pragma unroll
-  for (int j = 0; j < W; ++j) acc[j] = 0.0;
-  const int64_t last = end + P;  // rows past `end` only complete the dx of the chunk's last rows
-  for (int64_t t0 = first; t0 < last; t0 += kAhead) {
+  for (int j = 0; j < W; ++j) acc[j] = 0.0f;
+  const float* xp = x + first * xs + c;
+  const DyT* dyp = dy + first * C + c;
+  const int32_t* pp = positions + first;
+  OutT* dxp = dx + (first - P) * dxs + c;  // row s = t - P
+  for (int i0 = 0; i0 < n; i0 += kAhead) {
     float xa[kAhead], dya[kAhead];
     int32_t pa[kAhead];
 #pragma unroll
     for (int u = 0; u < kAhead; ++u) {
-      const int64_t t = t0 + u;
-      const bool in = t < rows && t < last;
-      xa[u] = in ? x[t * xs + c] : 0.0f;
-      dya[u] = in ? load_one(dy + t * C + c) : 0.0f;
-      pa[u] = in ? positions[t] : -1;
+      const bool in = i0 + u < n_in;
+      xa[u] = in ? *xp : 0.0f;
+      dya[u] = in ? load_one(dyp) : 0.0f;
+      pa[u] = in ? *pp : -1;
+      xp += xs;
+      dyp += C;
+      ++pp;
     }
 #pragma unroll
     for (int u = 0; u < kAhead; ++u) {
-      const int64_t t = t0 + u;
-      if (t >= last) break;
+      const int i = i0 + u;
+      if (i >= n) break;
 #pragma unroll
       for (int j = 0; j < P; ++j) {
         xw[j] = xw[j + 1];
@@ -266,39 +280,42 @@ __global__ void __launch_bounds__(kThreads, 3)
         pw[j] = pw[j + 1];
       }
       xw[P] = xa[u];
-      pw[P] = pa[u];
+      // (t = first + i; positions never exceed t, the cap only matters for malformed ones)
+      const int32_t position = first + i < P ? min(pa[u], int32_t(first + i)) : pa[u];
+      pw[P] = position;
       float da = 0.0f;
-      if (t < rows) {
-        const int32_t position = pa[u];
-        const float a = conv_preactivation<W>(w, xw, position, t);
+      if (i < n_in) {
+        float a = 0.0f;  // conv_preactivation's sum with the capped position
+#pragma unroll
+        for (int j = 0; j < W; ++j) {
+          const float v = P - j <= position ? xw[j] : 0.0f;
+          a = __fadd_rn(a, __fmul_rn(w[j], v));
+        }
         const float s = 1.0f / (1.0f + expf(-a));
         da = dya[u] * s * (1.0f + a * (1.0f - s));
-        if (t < end) {
-          const double d = da;
+        if (i < n_out) {
 #pragma unroll
-          for (int j = 0; j < W; ++j) {
-            const int back = P - j;
-            if (back <= position && back <= t) acc[j] += d * double(xw[j]);
-          }
+          for (int j = 0; j < W; ++j)
+            if (P - j <= position) acc[j] = fmaf(da, xw[j], acc[j]);
         }
       }
       daw[P] = da;
       // input row s = t - P now has all its outputs s .. s + P
-      const int64_t s = t - P;
-      if (s >= first) {
+      if (i >= P) {
         float g = 0.0f;
 #pragma unroll
         for (int j = 0; j < W; ++j) {
           const int ahead = P - j;  // output s + ahead sits at window index ahead
           if (pw[ahead] >= ahead) g = __fadd_rn(g, __fmul_rn(w[j], daw[ahead]));
         }
-        store_one(dx + s * dxs + c, g);
+        store_one(dxp, g);
       }
+      dxp += dxs;
     }
   }
   double* out = partials + (chunk * C + c) * W;
 #pragma unroll
-  for (int j = 0; j < W; ++j) out[j] = acc[j];
+  for (int j = 0; j < W; ++j) out[j] = double(acc[j]);
 }
 
 template <class Fn>
