@@ -245,6 +245,15 @@ std::vector<Case> check_cases() {
                    .Hq = 4,
                    .Hkv = 2,
                    .q_offset = 50});
+  // (D = 128: the wgmma kernel's masks with an offset inside a tile, and GQA)
+  cases.push_back({.name = "chunked Tq=200 q_offset=70 Hq=4 Hkv=2 D=128",
+                   .Tq = 200,
+                   .Tk = 270,
+                   .Hq = 4,
+                   .Hkv = 2,
+                   .Dk = 128,
+                   .Dv = 128,
+                   .q_offset = 70});
   cases.push_back({.name = "longer cache Tq=70 q_offset=30 Tk=230 H=2 D=128 (unseen keys)",
                    .Tq = 70,
                    .Tk = 230,
