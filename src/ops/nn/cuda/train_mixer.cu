@@ -142,17 +142,23 @@ double* reserve_partials(TrainScratch& scratch, const ChunkPlan& p, int64_t cols
 
 // ---- short convolution over packed sequences ----
 
-// The pre-activation of row t from the window xw (rows t - P .. t, P = W - 1): a = sum_j w[j]
-// xw[j] with inputs before the sequence's start (P - j > position) or before row 0 as 0, in the
-// CPU's order without contraction.
+// A row's position within its sequence capped at the row index t, so that no window reaches
+// before row 0 (positions never exceed t; the cap only matters for malformed ones).
+template <int W>
+__device__ __forceinline__ int32_t conv_position(int32_t position, int64_t t) {
+  return t < W - 1 ? min(position, int32_t(t)) : position;
+}
+
+// The pre-activation of a row from the window xw (rows t - P .. t, P = W - 1) and its capped
+// position (conv_position): a = sum_j w[j] xw[j] with inputs before the sequence's start
+// (P - j > position) as 0, in the CPU's order without contraction.
 template <int W>
 __device__ __forceinline__ float conv_preactivation(const float (&w)[W], const float (&xw)[W],
-                                                    int32_t position, int64_t t) {
+                                                    int32_t position) {
   float a = 0.0f;
 #pragma unroll
   for (int j = 0; j < W; ++j) {
-    const int back = W - 1 - j;
-    const float v = back <= position && back <= t ? xw[j] : 0.0f;
+    const float v = W - 1 - j <= position ? xw[j] : 0.0f;
     a = __fadd_rn(a, __fmul_rn(w[j], v));
   }
   return a;
@@ -198,7 +204,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int j = 0; j < P; ++j) xw[j] = xw[j + 1];
       xw[P] = xa[u];
-      const float a = conv_preactivation<W>(w, xw, pa[u], t);
+      const float a = conv_preactivation<W>(w, xw, conv_position<W>(pa[u], t));
       store_one(y + t * ys + c, a / (1.0f + expf(-a)));
     }
   }
@@ -280,17 +286,11 @@ __global__ void __launch_bounds__(kThreads, 3)
         pw[j] = pw[j + 1];
       }
       xw[P] = xa[u];
-      // (t = first + i; positions never exceed t, the cap only matters for malformed ones)
-      const int32_t position = first + i < P ? min(pa[u], int32_t(first + i)) : pa[u];
+      const int32_t position = conv_position<W>(pa[u], first + i);
       pw[P] = position;
       float da = 0.0f;
       if (i < n_in) {
-        float a = 0.0f;  // conv_preactivation's sum with the capped position
-#pragma unroll
-        for (int j = 0; j < W; ++j) {
-          const float v = P - j <= position ? xw[j] : 0.0f;
-          a = __fadd_rn(a, __fmul_rn(w[j], v));
-        }
+        const float a = conv_preactivation<W>(w, xw, position);
         const float s = 1.0f / (1.0f + expf(-a));
         da = dya[u] * s * (1.0f + a * (1.0f - s));
         if (i < n_out) {
