@@ -20,8 +20,9 @@
 // A KDA layer's options (x.layer, runtime flags): the q / k rows are L2-normalised in shared
 // memory once loaded, g and beta activated as loaded (kda_layer_math.cuh, as chunk_prepare), so
 // dq, dk are the normalised rows' gradients (finish_qk_grads maps them to the raw rows'); dg is
-// mapped to dgraw as it is written (graw kept in an extra bf16 tile), with ddt_bias and dA_log
-// summed by fp32 atomics (one per channel and one per warp per block); dbeta to dbraw.
+// mapped to dgraw by every thread once the chunk's dg is in shared memory (graw kept in an extra
+// bf16 tile), with ddt_bias and dA_log summed by fp32 atomics (one per thread and one per warp
+// a block); dbeta to dbraw.
 
 #include "ops/delta_rule/cuda/chunk_kernels.cuh"
 #include "ops/delta_rule/cuda/device_common.cuh"
@@ -732,44 +733,48 @@ __global__ void __launch_bounds__(kThreads, 1)
     gd.dbeta[size_t(tok0 + tid) * x.HV + hv] = __float2bfloat16_rn(db);
   }
   if constexpr (kChannel) {
+    // Two passes: the K channel threads form dg by the two-sided sums (a serial walk of the
+    // chunk's rows, a few shared-memory adds a row) into sdG; then every thread maps a share of
+    // the rows to dgraw and writes them (the gate's backward has transcendentals: it ran inside
+    // the serial walk on half the threads before).
     for (int c = tid; c < K; c += kThreads) {
-      bf16* dg = gd.dg + (size_t(tok0) * x.HV + hv) * K + c;  // row i at dg[i * HV * K]
-      // KDA layer gate: dg -> dgraw as written; this channel's ddt_bias and dA_log terms
-      const float a = layer_gate && x.layer.A_log ? __expf(x.layer.A_log[hv]) : 1.f;
-      const float bias = layer_gate && x.layer.dt_bias ? x.layer.dt_bias[size_t(hv) * K + c] : 0.f;
-      float dbias = 0.f, dA = 0.f;
-      auto emit = [&](int i, float v) {
-        if (layer_gate) {
-          float dz, da;
-          kda_gate_grad(x.layer.gate_softplus, x.layer.lower_bound, a,
-                        __bfloat162float(sGraw[i * K + c]) + bias, v, dz, da);
-          dbias += dz;
-          dA += da;
-          v = dz;
-        }
-        dg[size_t(i) * x.HV * K] = __float2bfloat16_rn(v);
-      };
       float inter = sdGC[c], pair = 0.f;
       for (int i = C - 1; i >= 0; --i) {
         inter += sdG[i * LDG + c];
         pair += sdGp[i * LDG + c];
-        if (i >= C / 2) {
-          if (i < len) emit(i, inter + pair);
-        } else {
-          sdG[i * LDG + c] = inter;  // suffix of the rest; the prefix pass below finishes it
-        }
+        sdG[i * LDG + c] = i >= C / 2 ? inter + pair : inter;  // (row i read above, then replaced)
       }
-      float prefix = 0.f;
+      float prefix = 0.f;  // the rows i < C / 2: suffix minus the pairwise prefix
       for (int i = 0; i < C / 2; ++i) {
-        if (i < len) emit(i, sdG[i * LDG + c] - prefix);
+        sdG[i * LDG + c] -= prefix;
         prefix += sdGp[i * LDG + c];
       }
-      if (layer_gate) {  // every lane of the first K / 32 warps is here (K threads, K % 32 = 0)
-        if (gd.ddt_bias) atomicAdd(gd.ddt_bias + size_t(hv) * K + c, dbias);
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) dA += __shfl_xor_sync(0xffffffffu, dA, off);
-        if (gd.dA_log && lane == 0) atomicAdd(gd.dA_log + hv, dA);
+    }
+    __syncthreads();
+    // KDA layer gate: dg -> dgraw; this thread's channel's ddt_bias and dA_log terms
+    static_assert(kThreads % K == 0, "a thread keeps one channel");
+    const int c = tid % K;
+    const float a = layer_gate && x.layer.A_log ? __expf(x.layer.A_log[hv]) : 1.f;
+    const float bias = layer_gate && x.layer.dt_bias ? x.layer.dt_bias[size_t(hv) * K + c] : 0.f;
+    float dbias = 0.f, dA = 0.f;
+    bf16* dg = gd.dg + (size_t(tok0) * x.HV + hv) * K + c;  // row i at dg[i * HV * K]
+    for (int i = tid / K; i < len; i += kThreads / K) {
+      float v = sdG[i * LDG + c];
+      if (layer_gate) {
+        float dz, da;
+        kda_gate_grad(x.layer.gate_softplus, x.layer.lower_bound, a,
+                      __bfloat162float(sGraw[i * K + c]) + bias, v, dz, da);
+        dbias += dz;
+        dA += da;
+        v = dz;
       }
+      dg[size_t(i) * x.HV * K] = __float2bfloat16_rn(v);
+    }
+    if (layer_gate) {  // every thread is here: one atomic per thread and channel, one per warp
+      if (gd.ddt_bias) atomicAdd(gd.ddt_bias + size_t(hv) * K + c, dbias);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) dA += __shfl_xor_sync(0xffffffffu, dA, off);
+      if (gd.dA_log && lane == 0) atomicAdd(gd.dA_log + hv, dA);
     }
   } else if constexpr (GATE == Gate::scalar) {
     // row totals, then a suffix sum over the 64 rows (one warp, two rows per lane)
