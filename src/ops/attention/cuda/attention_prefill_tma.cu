@@ -1,13 +1,15 @@
 // Causal flash attention forward for bf16 with head dims 128 / 128 on wgmma with a producer warp
-// (sm_90a; FlashAttention-3's warp specialisation, without its ping-pong). Work in progress:
-// opt-in with KDA_ATTENTION_TMA_FORWARD=1 until the H200 has checked and timed it against the
-// mma.sync forward (attention_prefill.cu) and the plain wgmma one (attention_prefill_wgmma.cu,
-// whose copies and V transpose run on the computing warps, one block barrier a tile).
+// (sm_90a; FlashAttention-3's warp specialisation, without its ping-pong). Work in progress,
+// opt-in until the H200 has checked and timed it against the mma.sync forward
+// (attention_prefill.cu) and the plain wgmma one (attention_prefill_wgmma.cu, whose copies and V
+// transpose run on the computing warps, one block barrier a tile): KDA_ATTENTION_TMA_FORWARD=1
+// runs one product at a time, 2 issues S of the next tile beside P V of this one and runs the
+// next softmax while the second product does (FlashAttention-3's intra-warpgroup overlap).
 //
 // A block of three warpgroups owns 128 queries of one head. Warpgroup 0 produces: one thread
-// issues every copy by TMA (Q once; K and V tiles of 64 keys into a kStages ring, each stage with
-// a "full" mbarrier counting the bytes and an "empty" one the consumers arrive on). Warpgroups 1
-// and 2 consume 64 queries each, never meeting at a block barrier:
+// issues every copy by TMA (Q once; K and V tiles of 64 keys into a kStages ring, K and V of each
+// stage with a "full" mbarrier counting the bytes and an "empty" one the consumers arrive on).
+// Warpgroups 1 and 2 consume 64 queries each, never meeting at a block barrier:
 //   S = Q K^T      8 x wgmma m64n64k16, Q and K as TMA left them (128-byte swizzle, K-major)
 //   online softmax on the S accumulators (as attention_prefill_wgmma.cu)
 //   O += P V       4 x wgmma m64n128k16, P from registers, V read as stored ([keys][dims]:
@@ -18,8 +20,8 @@
 #include <cuda_bf16.h>
 
 #include <cmath>
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <string_view>
 
@@ -46,11 +48,17 @@ constexpr uint32_t kKVTile = 2 * kKVCol;      // K or V of one tile (128 dims)
 constexpr uint32_t kOffK = 2 * kQCol;
 constexpr uint32_t kOffV = kOffK + kStages * kKVTile;
 constexpr uint32_t kOffBars = kOffV + kStages * kKVTile;
-constexpr uint32_t kSmemBytes = kOffBars + 8 * (1 + 3 * kStages);
+constexpr uint32_t kSmemBytes = kOffBars + 8 * (1 + 4 * kStages);
 constexpr size_t kSmemLaunch = kSmemBytes + 1024;  // + room to align the base to 1024
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+// Register budgets after the split (setmaxnreg): the producer warpgroup gives registers back so
+// that the consumers can hold S of the next tile beside O (FlashAttention-3's 24 / 240 split).
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 65536, "register file");
+
+template <bool kOverlap>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_prefill_tma_kernel(AttentionParams p, const __grid_constant__ CUtensorMap map_q,
                                  const __grid_constant__ CUtensorMap map_k,
@@ -62,11 +70,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   unsigned char* Qs = smem;          // [2 column tiles][128 rows]
   unsigned char* Ks = smem + kOffK;  // [stage][2 column tiles][64 rows]
   unsigned char* Vs = smem + kOffV;  // [stage][2 column tiles][64 rows]
+  // full: the stage's bytes landed (the producer's expect_tx is the one arrival); empty: every
+  // consumer thread is done with it. K and V separately, so K of a stage is refilled as soon as
+  // S of its tile is done, before P V of that tile.
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + kOffBars);
   uint64_t* q_full = bars;
   uint64_t* k_full = bars + 1;
   uint64_t* v_full = k_full + kStages;
-  uint64_t* empty = v_full + kStages;
+  uint64_t* k_empty = v_full + kStages;
+  uint64_t* v_empty = k_empty + kStages;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = warp >> 2, wq = warp & 3;
@@ -86,24 +98,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&k_full[s], 1);
       mbar_init(&v_full[s], 1);
-      mbar_init(&empty[s], kConsumers);
+      mbar_init(&k_empty[s], kConsumers);
+      mbar_init(&v_empty[s], kConsumers);
     }
     mbar_init_fence();
   }
   __syncthreads();  // the barriers initialised before anyone waits on them
 
   if (wg == 0) {  // the producer: one thread issues every copy
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
     if (tid == 0) {
       mbar_expect_tx(q_full, 2 * kQCol);
       for (int col = 0; col < 2; ++col)
         tma_load_4d(Qs + col * kQCol, &map_q, 64 * col, h, int(q0), b, q_full);
       for (int j = 0; j < ntiles; ++j) {
         const int s = j % kStages;
-        if (j >= kStages) mbar_wait(&empty[s], uint32_t((j / kStages - 1) & 1));
+        const uint32_t reuse = uint32_t((j / kStages - 1) & 1);  // tile j - kStages's release
+        if (j >= kStages) mbar_wait(&k_empty[s], reuse);
         mbar_expect_tx(&k_full[s], kKVTile);
         for (int col = 0; col < 2; ++col)
           tma_load_4d(Ks + s * kKVTile + col * kKVCol, &map_k, 64 * col, kvh, j * kBN, b,
                       &k_full[s]);
+        if (j >= kStages) mbar_wait(&v_empty[s], reuse);
         mbar_expect_tx(&v_full[s], kKVTile);
         for (int col = 0; col < 2; ++col)
           tma_load_4d(Vs + s * kKVTile + col * kKVCol, &map_v, 64 * col, kvh, j * kBN, b,
@@ -112,6 +128,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     return;
   }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
 
   // consumers: warpgroup cw owns query rows 64 cw .. 64 cw + 63 of the block
   const int cw = wg - 1;
@@ -123,18 +140,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int row_in_block = cw * 64 + wq * 16 + g;  // this thread's rows: + 0 and + 8
   const int64_t qpos_base = p.q_offset + q0 + row_in_block;
   const unsigned char* q_wg = Qs + cw * 64 * kRowBytes;
+  const auto phase = [](int j) { return uint32_t((j / kStages) & 1); };
 
-  mbar_wait(q_full, 0);
-  for (int j = 0; j < ntiles; ++j) {
-    const int s = j % kStages;
-    const uint32_t phase = uint32_t((j / kStages) & 1);
-    mbar_wait(&k_full[s], phase);
-
-    // S = Q K^T (64 rows of this warpgroup x 64 keys)
-    float sc[32];
-    const unsigned char* k_buf = Ks + s * kKVTile;
-    fence_operands(sc);
-    wgmma_fence();
+  // S = Q K^T of tile j (64 rows of this warpgroup x 64 keys), issued and committed
+  const auto issue_s = [&](float(&sc)[32], int j) {
+    const unsigned char* k_buf = Ks + (j % kStages) * kKVTile;
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks) {
       const uint32_t off = (ks & 3) * 32, col = ks >> 2;
@@ -142,10 +152,22 @@ __global__ void __launch_bounds__(kThreads, 1)
                          sw128_desc(k_buf + col * kKVCol + off), ks > 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
-    fence_operands(sc);
-
-    // mask, online softmax in log2 units (max over raw scores; one FMA per probability)
+  };
+  // O += P V of tile j: V as stored, 16 keys (16 rows of 128 bytes) a k-step; the second 64 head
+  // dims are the next column tile (LBO), 8-key groups 1024 bytes apart (SBO). Issued, committed.
+  const auto issue_pv = [&](const uint32_t(&pa)[kBN / 16][4], int j) {
+    const unsigned char* v_buf = Vs + (j % kStages) * kKVTile;
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk)
+      wgmma_m64n128k16_rs<1>(o, pa[kk], sw128_desc_mn(v_buf + kk * 16 * kRowBytes, kKVCol, 1024));
+    wgmma_commit();
+  };
+  // Mask, online softmax in log2 units (max over raw scores; one FMA per probability), P packed
+  // into the A fragments of O += P V (keys [16 kk, 16 kk + 16): n8 blocks 2 kk, 2 kk + 1). S is
+  // only read (an accumulator written while another product is in flight serializes the
+  // wgmmas). Sets the factor the O accumulated so far must take.
+  const auto softmax = [&](const float(&sc)[32], int j, uint32_t(&pa)[kBN / 16][4],
+                           float(&alpha)[2]) {
     const int64_t key0 = int64_t(j) * kBN;
     const bool need_mask = key0 + kBN - 1 > p.q_offset + q0 || key0 + kBN > p.Tk;
     int last[2] = {kBN, kBN};
@@ -154,15 +176,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int r = 0; r < 2; ++r)
         last[r] = int(max(int64_t(-1), min(int64_t(kBN), min(qpos_base + 8 * r, p.Tk - 1) - key0)));
     }
+    const auto masked = [&](int i) {
+      return need_mask && (i >> 2) * 8 + 2 * t4 + (i & 1) > last[(i >> 1) & 1];
+    };
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int n = 0; n < kBN / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (need_mask && n * 8 + 2 * t4 + (e & 1) > last[e >> 1]) sc[4 * n + e] = -INFINITY;
-        mx[e >> 1] = fmaxf(mx[e >> 1], sc[4 * n + e]);
-      }
-    float alpha[2], m_use[2];
+    for (int i = 0; i < 32; ++i)
+      if (!masked(i)) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], sc[i]);
+    float m_use[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
@@ -172,17 +193,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       alpha[r] = fast_exp2(m_run[r] - m_use[r]);
       m_run[r] = m_new;
     }
-    float rowsum[2] = {0.f, 0.f};
+    float pv[32], rowsum[2] = {0.f, 0.f};
 #pragma unroll
-    for (int n = 0; n < kBN / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float pv = fast_exp2(fmaf(sc[4 * n + e], scale_log2, -m_use[e >> 1]));
-        sc[4 * n + e] = pv;
-        rowsum[e >> 1] += pv;
-      }
+    for (int i = 0; i < 32; ++i) {
+      pv[i] = masked(i) ? 0.f : fast_exp2(fmaf(sc[i], scale_log2, -m_use[(i >> 1) & 1]));
+      rowsum[(i >> 1) & 1] += pv[i];
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rowsum[r];
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pa[kk][e] = pack_bf16(pv[8 * kk + 2 * e], pv[8 * kk + 2 * e + 1]);
+  };
+  const auto rescale = [&](const float(&alpha)[2]) {
     if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
       for (int n = 0; n < kD / 8; ++n) {
@@ -192,28 +216,82 @@ __global__ void __launch_bounds__(kThreads, 1)
         o[4 * n + 3] *= alpha[1];
       }
     }
-    // P's A fragment for keys [16 kk, 16 kk + 16): n8 blocks 2 kk and 2 kk + 1
-    uint32_t pa[kBN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) pa[kk][e] = pack_bf16(sc[8 * kk + 2 * e], sc[8 * kk + 2 * e + 1]);
+  };
 
-    // O += P V: V of this stage as stored, 16 keys (16 rows of 128 bytes) a k-step; the second
-    // 64 head dims are the next column tile (LBO), 8-key groups 1024 bytes apart (SBO)
-    mbar_wait(&v_full[s], phase);
-    const unsigned char* v_buf = Vs + s * kKVTile;
-    fence_operands(o);
-    fence_operands(pa);
-    wgmma_fence();
+  mbar_wait(q_full, 0);
+  uint32_t pa[kBN / 16][4];
+  if constexpr (!kOverlap) {
+    for (int j = 0; j < ntiles; ++j) {
+      const int s = j % kStages;
+      mbar_wait(&k_full[s], phase(j));
+      float sc[32], alpha[2];
+      fence_operands(sc);
+      wgmma_fence();
+      issue_s(sc, j);
+      wgmma_wait<0>();
+      fence_operands(sc);
+      mbar_arrive(&k_empty[s]);  // this thread is done with the stage's K
+      softmax(sc, j, pa, alpha);
+      rescale(alpha);
+      mbar_wait(&v_full[s], phase(j));
+      fence_operands(o);
+      fence_operands(pa);
+      wgmma_fence();
+      issue_pv(pa, j);
+      wgmma_wait<0>();
+      fence_operands(o);
+      fence_operands(pa);
+      mbar_arrive(&v_empty[s]);  // ... and with its V
+    }
+  } else {
+    // S of tile j + 1 goes to the tensor cores with O += P_j V_j, and the softmax of tile j + 1
+    // runs while the second product does (FlashAttention-3's intra-warpgroup overlap).
+    {
+      float sc[32], alpha[2];
+      mbar_wait(&k_full[0], 0);
+      fence_operands(sc);
+      wgmma_fence();
+      issue_s(sc, 0);
+      wgmma_wait<0>();
+      fence_operands(sc);
+      mbar_arrive(&k_empty[0]);
+      softmax(sc, 0, pa, alpha);  // alpha = 0 against the empty O
+    }
+    for (int j = 0; j < ntiles; ++j) {
+      const bool has_next = j + 1 < ntiles;
+      float sc[32];
+      if (has_next) mbar_wait(&k_full[(j + 1) % kStages], phase(j + 1));
+      mbar_wait(&v_full[j % kStages], phase(j));
+      fence_operands(sc);
+      fence_operands(o);
+      fence_operands(pa);
+      wgmma_fence();
+      if (has_next) issue_s(sc, j + 1);
+      issue_pv(pa, j);
+      if (has_next) {
+        wgmma_wait<1>();  // S of tile j + 1
+        fence_operands(sc);
+        uint32_t pa_next[kBN / 16][4];
+        float alpha[2];
+        softmax(sc, j + 1, pa_next, alpha);
+        wgmma_wait<0>();  // O += P_j V_j
+        fence_operands(o);
+        fence_operands(pa);  // P_j stays live until the product reading it is done
+        rescale(alpha);
+        // K of tile j + 1 released here, not between the two waits: an mbarrier arrive there
+        // made ptxas serialize every wgmma (C7513)
+        mbar_arrive(&k_empty[(j + 1) % kStages]);
 #pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk)
-      wgmma_m64n128k16_rs<1>(o, pa[kk], sw128_desc_mn(v_buf + kk * 16 * kRowBytes, kKVCol, 1024));
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_operands(o);
-    fence_operands(pa);
-    mbar_arrive(&empty[s]);  // this thread is done with the stage's K and V
+        for (int kk = 0; kk < kBN / 16; ++kk)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pa[kk][e] = pa_next[kk][e];
+      } else {
+        wgmma_wait<0>();
+        fence_operands(o);
+        fence_operands(pa);
+      }
+      mbar_arrive(&v_empty[j % kStages]);
+    }
   }
 
   // Row sums over the quad, normalise, write lse and the rows.
@@ -259,11 +337,14 @@ bool head_map(CUtensorMap* map, const void* base, int heads, int64_t tokens, int
 }  // namespace
 
 bool launch_attention_prefill_tma(const AttentionParams& p, cudaStream_t stream) {
-  static const bool requested = [] {
+  // 1: one product at a time; 2: S of the next tile beside P V of this one
+  static const int mode = [] {
     const char* env = std::getenv("KDA_ATTENTION_TMA_FORWARD");
-    return env != nullptr && std::string_view(env) == "1";
+    if (env == nullptr) return 0;
+    const std::string_view v(env);
+    return v == "1" ? 1 : v == "2" ? 2 : 0;
   }();
-  if (!requested || !attention_wgmma_enabled()) return false;
+  if (mode == 0 || !attention_wgmma_enabled()) return false;
   if (p.Dk != kD || p.Dv != kD || p.kv_len_device != nullptr) return false;
   // TMA: 16-byte strides and base addresses; bf16 o written in pairs
   if (p.q_stride % 8 != 0 || p.k_stride % 8 != 0 || p.v_stride % 8 != 0) return false;
@@ -285,11 +366,13 @@ bool launch_attention_prefill_tma(const AttentionParams& p, cudaStream_t stream)
     warned = true;
     return false;
   }
-  check_cuda(cudaFuncSetAttribute(attention_prefill_tma_kernel,
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemLaunch)),
-             "cudaFuncSetAttribute (attention_prefill_tma_kernel)");
+  auto kernel =
+      mode == 2 ? attention_prefill_tma_kernel<true> : attention_prefill_tma_kernel<false>;
+  check_cuda(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemLaunch)),
+      "cudaFuncSetAttribute (attention_prefill_tma_kernel)");
   const dim3 grid = attention_tile_grid((p.Tq + kBM - 1) / kBM, p.Hq, p.batch);
-  attention_prefill_tma_kernel<<<grid, kThreads, kSmemLaunch, stream>>>(p, map_q, map_k, map_v);
+  kernel<<<grid, kThreads, kSmemLaunch, stream>>>(p, map_q, map_k, map_v);
   check_launch("attention_prefill_tma_kernel");
   return true;
 }
