@@ -159,6 +159,14 @@ std::vector<Case> check_cases() {
        .Hq = 4,
        .Hkv = 2,
        .q_offset = 50});
+  add({.name = "chunked prefill Tq=200 q_offset=70 Hq=4 Hkv=2 D=128",  // the wgmma forwards
+       .Tq = 200,
+       .Tk = 270,
+       .Hq = 4,
+       .Hkv = 2,
+       .Dk = 128,
+       .Dv = 128,
+       .q_offset = 70});
   add({.name = "decode Tq=5 q_offset=200 Tk=205",
        .Tq = 5,
        .Tk = 205,

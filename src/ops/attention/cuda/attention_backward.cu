@@ -80,6 +80,10 @@ size_t attention_backward_workspace_bytes(const AttentionArgs& args) {
   return workspace_floats(args) * sizeof(float);
 }
 
+bool attention_backward_dq_deterministic(const AttentionArgs& args) {
+  return !(dq_accumulated(args) && cuda_detail::attention_wgmma_enabled());
+}
+
 void attention_backward(const AttentionArgs& args, const float* lse, const void* d_o, void* dq,
                         void* dk, void* dv, void* workspace, size_t workspace_bytes,
                         cudaStream_t stream, const AttentionGradLayout& layout) {

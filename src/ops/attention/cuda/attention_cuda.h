@@ -86,14 +86,21 @@ void attention_forward(const AttentionArgs& args, void* workspace, size_t worksp
 // dense unless `layout` gives their row strides (e.g. the three column blocks of one
 // [tokens, q | k | v] buffer, so that one GEMM takes them back through a fused projection),
 // every element of their rows written (keys no query sees get 0). dk and dv sum over the query
-// heads of their KV head in a fixed order: the result is deterministic (no atomics), and each
-// sequence's gradients are bit-identical to a call for that sequence alone.
-// Paths: bf16 with Dk, Dv <= 128 (multiples of 8, 16-byte aligned arrays and strides) runs two
-// tensor-core kernels (dk/dv over key tiles, dq over query tiles); everything else a plain
-// fp32-arithmetic kernel per key row and per query row (exact to fp32 rounding for f32).
-// Workspace: 2 batch Hq roundup(Tq, 64) floats (lse in log2 units and D_i). args.lse is not
-// read.
+// heads of their KV head in a fixed order: deterministic (no atomics), and each sequence's
+// gradients are bit-identical to a call for that sequence alone. So is dq, except on the wgmma
+// path (below), where it is summed by fp32 atomics and may differ run to run in its last bits
+// (attention_backward_dq_deterministic says which; KDA_ATTENTION_WGMMA=0 turns the path off).
+// Paths: bf16 with Dk = Dv = 128 on a compute capability 9 device runs one wgmma kernel (dk, dv
+// over key tiles, dq added into fp32 sums) and a cast; other bf16 shapes with Dk, Dv <= 128
+// (multiples of 8, 16-byte aligned arrays and strides) two tensor-core kernels (dk/dv over key
+// tiles, dq over query tiles); everything else a plain fp32-arithmetic kernel per key row and
+// per query row (exact to fp32 rounding for f32).
+// Workspace: 2 batch Hq roundup(Tq, 64) floats (lse in log2 units and D_i), plus batch Tq Hq 128
+// floats for bf16 with Dk = Dv = 128 (the wgmma path's dq sums). args.lse is not read.
 size_t attention_backward_workspace_bytes(const AttentionArgs& args);
+// Whether attention_backward's dq is bit-reproducible for these arguments on the current device
+// (false on the wgmma path, whose dq sums are fp32 atomics).
+bool attention_backward_dq_deterministic(const AttentionArgs& args);
 // Elements between tokens of dq, dk, dv (0: dense, Hq Dk / Hkv Dk / Hkv Dv); sequence b of a
 // batch starts b Tq (dq) or b Tk (dk, dv) tokens in.
 struct AttentionGradLayout {
