@@ -681,9 +681,46 @@ void check_wgmma_probe(Tally& tally) {
          rel_error(from_device(o.data(), o_ref.size(), ElementType::f32), o_ref), 1e-5);
 }
 
+// The TMA path's building blocks (attention_prefill_tma.cu): TMA's 128-byte swizzle against
+// the K-major descriptors, and V read MN-major by the descriptor. The (LBO, SBO) assignment the
+// kernel uses is checked; the swapped one is printed, to say which is right if the check fails.
+void check_tma_probe(Tally& tally) {
+  const DeviceArray a = to_device(random_values(64 * 128, fresh_seed()), ElementType::bf16);
+  const DeviceArray b = to_device(random_values(64 * 128, fresh_seed()), ElementType::bf16);
+  const DeviceArray pm = to_device(random_values(64 * 64, fresh_seed()), ElementType::bf16);
+  const DeviceArray v = to_device(random_values(64 * 128, fresh_seed()), ElementType::bf16);
+  DeviceBuffer s(64 * 64 * 4), o(64 * 128 * 4), o_swapped(64 * 128 * 4);
+  poison(s.data(), s.bytes());
+  poison(o.data(), o.bytes());
+  poison(o_swapped.data(), o_swapped.bytes());
+  if (!ops::cuda_detail::run_tma_probe(a.data(), b.data(), pm.data(), v.data(), s.as<float>(),
+                                       o.as<float>(), o_swapped.as<float>(), nullptr)) {
+    std::printf(
+        "(TMA probe skipped: not a compute capability 9 device, or no tensor-map encoder)\n");
+    return;
+  }
+  cu::check_cuda(cudaDeviceSynchronize(), "TMA probe");
+  std::vector<double> s_ref(64 * 64, 0.0), o_ref(64 * 128, 0.0);
+  for (int i = 0; i < 64; ++i) {
+    for (int j = 0; j < 64; ++j)
+      for (int k = 0; k < 128; ++k)
+        s_ref[i * 64 + j] += a.rounded[i * 128 + k] * b.rounded[j * 128 + k];
+    for (int key = 0; key < 64; ++key)
+      for (int d = 0; d < 128; ++d)
+        o_ref[i * 128 + d] += pm.rounded[i * 64 + key] * v.rounded[key * 128 + d];
+  }
+  report(tally, "TMA probe S = A B^T (A, B by TMA with the 128-byte swizzle, K-major descriptors)",
+         rel_error(from_device(s.data(), s_ref.size(), ElementType::f32), s_ref), 1e-5);
+  report(tally, "TMA probe O = P V (V by TMA, read MN-major: LBO 8 KB along N, SBO 1 KB along K)",
+         rel_error(from_device(o.data(), o_ref.size(), ElementType::f32), o_ref), 1e-5);
+  std::printf("(TMA probe, LBO and SBO swapped: rel=%.3e)\n",
+              rel_error(from_device(o_swapped.data(), o_ref.size(), ElementType::f32), o_ref));
+}
+
 void run_suite(const SuiteOptions& options, Tally& tally) {
   if (options.check) {
     check_wgmma_probe(tally);
+    check_tma_probe(tally);
     for (const Case& c : check_cases()) {
       run_case(c, ElementType::f32, tally);
       run_case(c, ElementType::bf16, tally);

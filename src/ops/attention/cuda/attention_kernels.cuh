@@ -132,11 +132,20 @@ bool launch_attention_prefill(const AttentionParams& p, cudaStream_t stream);
 // KDA_ATTENTION_WGMMA_FORWARD=1 (slower than the mma.sync kernel for now),
 // attention_wgmma_enabled() and the layout allows, and returns whether it did.
 bool launch_attention_prefill_wgmma(const AttentionParams& p, cudaStream_t stream);
+// The wgmma forward with a TMA producer warp (attention_prefill_tma.cu), work in progress:
+// launches when KDA_ATTENTION_TMA_FORWARD=1, attention_wgmma_enabled() and the layout allows.
+bool launch_attention_prefill_tma(const AttentionParams& p, cudaStream_t stream);
 // The wgmma building blocks alone (wgmma_probe.cu): bf16 a [64, 128], b [64, 128], p [64, 64],
 // v [64, 128] (device, row-major) -> s = a b^T [64, 64] and o = p v [64, 128] (fp32). False
 // (nothing launched) on a device without compute capability 9.
 bool run_wgmma_probe(const void* a, const void* b, const void* p, const void* v, float* s, float* o,
                      cudaStream_t stream);
+// The TMA building blocks alone (wgmma_probe.cu): a, b, v [64, 128] loaded by TMA with the
+// 128-byte swizzle -> s = a b^T; o = p v with v read MN-major (LBO 8 KB, SBO 1 KB), o_swapped
+// with the two swapped. False (nothing launched) without compute capability 9 or a tensor-map
+// encoder.
+bool run_tma_probe(const void* a, const void* b, const void* p, const void* v, float* s, float* o,
+                   float* o_swapped, cudaStream_t stream);
 
 // Tensor-core split-sequence decode (bf16): writes the split partials. Returns false (launching
 // nothing) when unsupported (the caller falls back to the generic kernel with splits).
