@@ -80,25 +80,21 @@ if [ "$mode" = "--train" ]; then
         tee "$log_dir/attention_mma.log" | grep -v "^CHECK.*PASS" | sed 's/^BENCH/BENCH mma/'
       [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
       echo "mma.sync: $(grep -c "^CHECK.*PASS" "$log_dir/attention_mma.log") checks pass"
-      echo "== attention with the wgmma forward (opt-in: KDA_ATTENTION_WGMMA_FORWARD=1)"
-      KDA_ATTENTION_WGMMA_FORWARD=1 timeout 120 ./build-gpu-app/bin/kda_gpu_model --check --bench \
+      echo "== attention with the plain wgmma forward (opt-in: KDA_ATTENTION_TMA_FORWARD=0 KDA_ATTENTION_WGMMA_FORWARD=1)"
+      KDA_ATTENTION_TMA_FORWARD=0 KDA_ATTENTION_WGMMA_FORWARD=1 timeout 120 ./build-gpu-app/bin/kda_gpu_model --check --bench \
         --shared gpu_carry/shared attention attention_bwd 2>&1 |
         tee "$log_dir/attention_wgmma_fwd.log" | grep -v "^CHECK.*PASS" | grep -v decode |
         sed 's/^BENCH/BENCH wgmma-fwd/'
       [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
       echo "wgmma forward: $(grep -c "^CHECK.*PASS" "$log_dir/attention_wgmma_fwd.log") checks pass"
-      for tma in 1 2; do  # the TMA producer-warp forward (work in progress): 2 = with overlap
-        echo "== attention with the TMA forward (KDA_ATTENTION_TMA_FORWARD=$tma)"
-        KDA_ATTENTION_TMA_FORWARD=$tma timeout 120 ./build-gpu-app/bin/kda_gpu_model --check --bench \
-          --shared gpu_carry/shared attention attention_bwd 2>&1 |
-          tee "$log_dir/attention_tma_fwd$tma.log" | grep -v "^CHECK.*PASS" | grep -v decode |
-          sed "s/^BENCH/BENCH tma-fwd$tma/"
-        [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
-        echo "TMA forward $tma: $(grep -c "^CHECK.*PASS" "$log_dir/attention_tma_fwd$tma.log") checks pass"
-        echo "== the 125M step with it (KDA_ATTENTION_TMA_FORWARD=$tma kda_gpu_train --bench-2k)"
-        KDA_ATTENTION_TMA_FORWARD=$tma timeout 120 ./build-gpu-app/bin/kda_gpu_train --bench-2k 2>&1 |
-          grep "^BENCH" | sed "s/^BENCH/BENCH tma-fwd$tma/"
-      done
+      # the TMA forward (default: 2, with the intra-warpgroup overlap); 1 runs one product at a time
+      echo "== attention with the TMA forward one product at a time (KDA_ATTENTION_TMA_FORWARD=1)"
+      KDA_ATTENTION_TMA_FORWARD=1 timeout 120 ./build-gpu-app/bin/kda_gpu_model --check --bench \
+        --shared gpu_carry/shared attention attention_bwd 2>&1 |
+        tee "$log_dir/attention_tma_fwd1.log" | grep -v "^CHECK.*PASS" | grep -v decode |
+        sed "s/^BENCH/BENCH tma-fwd1/"
+      [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+      echo "TMA forward 1: $(grep -c "^CHECK.*PASS" "$log_dir/attention_tma_fwd1.log") checks pass"
       echo "== the 125M step with the mma.sync kernels (KDA_ATTENTION_WGMMA=0 kda_gpu_train --bench-2k)"
       KDA_ATTENTION_WGMMA=0 timeout 120 ./build-gpu-app/bin/kda_gpu_train --bench-2k 2>&1 |
         grep "^BENCH" | sed 's/^BENCH/BENCH mma/'

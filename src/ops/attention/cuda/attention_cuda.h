@@ -14,7 +14,9 @@
 // strides (see AttentionArgs).
 //
 // Paths: bf16 with Tq >= 16 runs a tensor-core flash-attention kernel (mma.sync bf16, fp32
-// softmax and accumulation; Dk, Dv <= 256, zero-padded to multiples of 16 inside); small Tq
+// softmax and accumulation; Dk, Dv <= 256, zero-padded to multiples of 16 inside; for
+// Dk = Dv = 128 on compute capability 9 a wgmma kernel fed by a TMA producer warp instead,
+// KDA_ATTENTION_TMA_FORWARD=0 turns it off); small Tq
 // (decode, a few tokens) runs a split-sequence kernel in which one block serves every query
 // head of a KV head, so a shared KV head (MLA's latent) is read once per step (on sm_90, for
 // MLA's 576/512 with v aliasing k, a bulk-copy-fed variant with 32-key tiles; else a cp.async
