@@ -310,6 +310,91 @@ void check_forward(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV, int64
 }
 
 // Backward: GPU (bf16) against the CPU fp32 chunked backward on the same rounded inputs.
+// The training pair on the inputs of a backward check: chunk_forward_for_backward, then
+// chunk_backward from the arrays it kept. Its o and ht against chunk_forward's (which may
+// pipeline long sequences: held to 1e-3, the same bits otherwise), its gradients against the
+// recompute path's `ref` (already run into the buffers of `ref_grads`): bit for bit, except the
+// atomic sums dA_log / ddt_bias (1e-5).
+void check_kept_forward(const std::string& name, const cuda::DeltaRuleDeviceInputs& d,
+                        const void* d_o, const float* d_ht, const cuda::DeltaRuleDeviceGrads& ref,
+                        int64_t tokens, int64_t N) {
+  const DeltaRuleShape& s = d.shape;
+  const auto bf = ElementType::bf16, f32 = ElementType::f32;
+  const size_t n_o = size_t(tokens) * s.HV * s.V, n_h = size_t(N) * s.HV * s.K * s.V;
+  DeviceBuffer o1(n_o * 2), o2(n_o * 2), h1(n_h * 4), h2(n_h * 4);
+  const size_t fws_bytes = cuda::chunk_forward_workspace_bytes(s, d.cu_seqlens);
+  const size_t bws_bytes = cuda::chunk_backward_workspace_bytes(s, d.cu_seqlens);
+  DeviceBuffer fws(fws_bytes), bws(bws_bytes);
+  for (auto* b : {&o1, &o2, &h1, &h2, &fws, &bws}) poison(*b);
+  cuda::chunk_forward(d, o1.ptr, h1.as<float>(), fws.ptr, fws_bytes, nullptr);
+  cuda::chunk_forward_for_backward(d, o2.ptr, h2.as<float>(), bws.ptr, bws_bytes, nullptr);
+
+  struct Grad {
+    const char* what;
+    void* ref;
+    size_t n;
+    ElementType t;
+    double tol;
+  };
+  // rel_rms tolerances far below any real mistake (a wrong kept array gives O(1)), above the
+  // bf16 ulps by which smem float atomics' order can move a few elements
+  const size_t n_q = size_t(tokens) * s.H * s.K, n_g = size_t(tokens) * s.HV * s.gate_width();
+  const Grad list[] = {{"dq", ref.dq, n_q, bf, 1e-3},
+                       {"dk", ref.dk, n_q, bf, 1e-3},
+                       {"dv", ref.dv, n_o, bf, 1e-3},
+                       {"dg", ref.dg, n_g, bf, 1e-3},
+                       {"db", ref.dbeta, size_t(tokens) * s.HV, bf, 1e-3},
+                       {"dh0", ref.dh0, n_h, f32, 1e-4},
+                       {"dA", ref.dA_log, size_t(s.HV), f32, 1e-4},
+                       {"ddt", ref.ddt_bias, size_t(s.HV) * s.K, f32, 1e-4}};
+  // one backward into fresh poisoned buffers; returns them (empty where not computed)
+  auto run = [&](cuda::ChunkBackwardFrom from, void* ws, size_t ws_bytes) {
+    std::vector<DeviceBuffer> out;
+    cuda::DeltaRuleDeviceGrads g = ref;
+    void** fields[] = {&g.dq, &g.dk, &g.dv, &g.dg, &g.dbeta};
+    for (size_t i = 0; i < std::size(list); ++i) {
+      out.emplace_back(list[i].ref && list[i].n ? list[i].n * (list[i].t == bf ? 2 : 4) : 0);
+      if (out.back().ptr) poison(out.back());
+      if (i < 5 && *fields[i]) *fields[i] = out.back().ptr;
+    }
+    if (g.dh0) g.dh0 = out[5].as<float>();
+    if (g.dA_log) g.dA_log = out[6].as<float>();
+    if (g.ddt_bias) g.ddt_bias = out[7].as<float>();
+    cuda::chunk_backward(d, d_o, d_ht, g, ws, ws_bytes, nullptr, from);
+    ck(cudaDeviceSynchronize(), "kept-forward check backward");
+    return out;
+  };
+  const std::vector<DeviceBuffer> mine =
+      run(cuda::ChunkBackwardFrom::kept_forward, bws.ptr, bws_bytes);
+  DeviceBuffer rws(bws_bytes);
+  poison(rws);
+  const std::vector<DeviceBuffer> again =
+      run(cuda::ChunkBackwardFrom::recompute, rws.ptr, bws_bytes);
+
+  const std::string kname = name + " kept-fwd";
+  report(kname, "o", rel_rms(download(o2.ptr, n_o, bf), download(o1.ptr, n_o, bf)), 1e-3);
+  if (N > 0)
+    report(kname, "ht", rel_rms(download(h2.ptr, n_h, f32), download(h1.ptr, n_h, f32)), 1e-3);
+  for (size_t i = 0; i < std::size(list); ++i) {
+    if (!list[i].ref || list[i].n == 0) continue;
+    const std::vector<double> a = download(mine[i].ptr, list[i].n, list[i].t);
+    const std::vector<double> r = download(again[i].ptr, list[i].n, list[i].t);
+    const std::vector<double> b = download(list[i].ref, list[i].n, list[i].t);
+    size_t differ = 0, differ_again = 0, nan = 0;
+    for (size_t j = 0; j < a.size(); ++j) {
+      differ += a[j] != b[j];
+      differ_again += r[j] != b[j];
+      nan += std::isnan(a[j]);
+    }
+    // how far bit-identity holds: elements that differ from the first recompute's, for the kept
+    // path and for a second recompute (the kernels' smem atomics may reorder sums run to run)
+    std::printf(
+        "NOTE %s %s: %zu / %zu elements differ (a second recompute: %zu, rel %.2e), %zu NaN\n",
+        kname.c_str(), list[i].what, differ, a.size(), differ_again, rel_rms(r, b), nan);
+    report(kname, list[i].what, rel_rms(a, b), list[i].tol);
+  }
+}
+
 void check_backward(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V,
                     std::vector<int64_t> cu, bool with_h0, bool with_dht, uint64_t seed,
                     bool strong = false) {
@@ -378,6 +463,8 @@ void check_backward(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV, int6
   if (gw) report(name, "dg", rel_rms(download(dg.ptr, g.size(), bf), wide(rg)), 2e-2);
   report(name, "db", rel_rms(download(db.ptr, beta.size(), bf), wide(rb)), 2e-2);
   report(name, "dh0", rel_rms(download(dh0.ptr, rh0.size(), ElementType::f32), wide(rh0)), 8e-3);
+  check_kept_forward(name, d, dO.device.ptr, with_dht ? dht_dev.as<float>() : nullptr, grads,
+                     tokens, N);
 }
 
 // A KDA layer's in-kernel options (l2norm of raw q / k, the activated gate from graw, A_log and
@@ -551,6 +638,8 @@ void check_kda_layer_backward(int64_t B, int64_t T, int64_t H, int64_t HV, int64
   report(name, "dA", rel_rms(download(dA.ptr, rA.size(), f32), wide(rA)), kReducedGateTol);
   report(name, "ddt", rel_rms(download(ddt.ptr, rdt.size(), f32), wide(rdt)), kReducedGateTol);
   report(name, "dh0", rel_rms(download(dh0.ptr, rh0.size(), f32), wide(rh0)), 8e-3);
+  check_kept_forward(name, d, dO.device.ptr, with_dht ? dht_dev.as<float>() : nullptr, grads,
+                     tokens, N);
 }
 
 const char* kernel_name(cuda::DecodeKernel k) {
@@ -1110,7 +1199,16 @@ void run_bench(const std::string& out_path) {
       auto backward = [&](int) {
         cuda::chunk_backward(d, d_o.ptr, dht.as<float>(), grads, ws.ptr, ws_bytes, nullptr);
       };
+      // the training pair: the forward keeps what the backward needs (no recompute) ...
       const double fb_ms = timer.median_ms(
+          [&](int) {
+            cuda::chunk_forward_for_backward(d, o.ptr, ht.as<float>(), ws.ptr, ws_bytes, nullptr);
+            cuda::chunk_backward(d, d_o.ptr, dht.as<float>(), grads, ws.ptr, ws_bytes, nullptr,
+                                 cuda::ChunkBackwardFrom::kept_forward);
+          },
+          2, 10);
+      // ... and the plain forward with a backward that recomputes
+      const double fb_recompute_ms = timer.median_ms(
           [&](int i) {
             call(i);
             backward(i);
@@ -1132,13 +1230,16 @@ void run_bench(const std::string& out_path) {
       const double fb_floor_ms =
           std::max((bytes + bwd_bytes) / (copy_tbs * 1e12), 3 * flops / (gemm_tflops * 1e12)) * 1e3;
       std::printf(
-          "BENCH chunk_fwd+bwd %s %lldx%lld: %.3f ms (bwd alone %.3f = recompute %.3f + state_bwd "
-          "%.3f + local %.3f) floor %.3f ms\n",
-          gate_name(gate), (long long)sh.B, (long long)sh.T, fb_ms, bwd_ms, stage_ms[0],
-          stage_ms[1], stage_ms[2], fb_floor_ms);
+          "BENCH chunk_fwd+bwd %s %lldx%lld: %.3f ms kept forward, %.3f ms recompute (bwd alone "
+          "%.3f "
+          "= recompute %.3f + state_bwd %.3f + local %.3f) floor %.3f ms\n",
+          gate_name(gate), (long long)sh.B, (long long)sh.T, fb_ms, fb_recompute_ms, bwd_ms,
+          stage_ms[0], stage_ms[1], stage_ms[2], fb_floor_ms);
       std::fflush(stdout);
       out << "chunk_fwdbwd_" << gate_name(gate) << "\t" << sh.B << "x" << sh.T << "\t" << fb_ms
           << "\t" << fb_floor_ms << "\n";
+      out << "chunk_fwdbwd_" << gate_name(gate) << "_recompute\t" << sh.B << "x" << sh.T << "\t"
+          << fb_recompute_ms << "\t" << fb_floor_ms << "\n";
       if (gate == Gate::channel) {
         // the same with the layer's options: gradients of the raw q, k, graw, braw, and of
         // A_log, dt_bias (floor as the plain op's: the two small arrays add nothing)
@@ -1150,6 +1251,14 @@ void run_bench(const std::string& out_path) {
           cuda::chunk_backward(dl, d_o.ptr, dht.as<float>(), lgrads, ws.ptr, ws_bytes, nullptr);
         };
         const double lfb_ms = timer.median_ms(
+            [&](int) {
+              cuda::chunk_forward_for_backward(dl, o.ptr, ht.as<float>(), ws.ptr, ws_bytes,
+                                               nullptr);
+              cuda::chunk_backward(dl, d_o.ptr, dht.as<float>(), lgrads, ws.ptr, ws_bytes, nullptr,
+                                   cuda::ChunkBackwardFrom::kept_forward);
+            },
+            2, 10);
+        const double lfb_recompute_ms = timer.median_ms(
             [&](int i) {
               cuda::chunk_forward(dl, o.ptr, ht.as<float>(), ws.ptr, ws_bytes, nullptr);
               layer_backward(i);
@@ -1160,12 +1269,14 @@ void run_bench(const std::string& out_path) {
         const double llocal_ms = timer.median_ms(layer_backward, 1, 10);
         unsetenv("KDA_BWD_STAGES");
         std::printf(
-            "BENCH chunk_fwd+bwd kda-layer %lldx%lld: %.3f ms (bwd alone %.3f, of which local + "
-            "finish %.3f)\n",
-            (long long)sh.B, (long long)sh.T, lfb_ms, lbwd_ms, llocal_ms);
+            "BENCH chunk_fwd+bwd kda-layer %lldx%lld: %.3f ms kept forward, %.3f ms recompute "
+            "(bwd alone %.3f, of which local + finish %.3f)\n",
+            (long long)sh.B, (long long)sh.T, lfb_ms, lfb_recompute_ms, lbwd_ms, llocal_ms);
         std::fflush(stdout);
         out << "chunk_fwdbwd_kda_layer\t" << sh.B << "x" << sh.T << "\t" << lfb_ms << "\t"
             << fb_floor_ms << "\n";
+        out << "chunk_fwdbwd_kda_layer_recompute\t" << sh.B << "x" << sh.T << "\t"
+            << lfb_recompute_ms << "\t" << fb_floor_ms << "\n";
       }
     }
   }

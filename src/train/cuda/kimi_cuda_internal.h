@@ -73,6 +73,9 @@ struct KimiCudaModel::PerLayer {
   // its inverse RMS and lse (the attention writes its output to o_c in bf16)
   ops::cuda::DeviceBuffer qkv32, q_c, k_c, v_c, fa_c, ga_c, g_c, gate32, b_c, kda_o_c;
   ops::cuda::DeviceBuffer rows32, lat32, inv_lat, latn_c, lse;
+  // KDA in training: the chunked forward's workspace, with what the backward needs from it
+  // (chunk_forward_for_backward)
+  ops::cuda::DeviceBuffer chunk_ws;
   // Dense MLP: [gate | up] fp32 [R, 2 F], the hidden (bf16)
   ops::cuda::DeviceBuffer up32, act_c;
   // MoE: router logits fp32 [R, E], ids / weights [R, top_k], the uploaded index, the gathered

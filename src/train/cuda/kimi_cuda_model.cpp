@@ -292,9 +292,8 @@ size_t KimiCudaModel::workspace_bytes(int64_t B, int64_t T, bool backward) const
       const ops::DeltaRuleShape shape{
           packed ? 1 : B, packed ? R : T, c.kda_heads,        c.kda_heads,
           c.kda_head_dim, c.kda_head_dim, ops::Gate::channel, 0};
-      workspace =
-          std::max({workspace, k::chunk_forward_workspace_bytes(shape, cu_seqlens_),
-                    backward ? k::chunk_backward_workspace_bytes(shape, cu_seqlens_) : size_t(0)});
+      // (training: the layer's own PerLayer::chunk_ws, sized in forward_backward)
+      workspace = std::max(workspace, k::chunk_forward_workspace_bytes(shape, cu_seqlens_));
       continue;
     }
     const PerLayer& P = acts_->layers[li];
@@ -364,6 +363,19 @@ StepResult KimiCudaModel::forward_backward(const int32_t* inputs, const int32_t*
       check_cuda(cudaStreamSynchronize(s), "kimi_linear (cuda): workspace");
       a.workspace.resize(need);
     }
+    for (size_t li = 0; backward && li < layers_.size(); ++li) {
+      if (!layers_[li].kda) continue;  // KDA: its own workspace, kept from forward to backward
+      const bool packed = !cu_seqlens_.empty();
+      const ops::DeltaRuleShape shape{
+          packed ? 1 : B, packed ? R : T, c.kda_heads,        c.kda_heads,
+          c.kda_head_dim, c.kda_head_dim, ops::Gate::channel, 0};
+      const size_t bytes = k::chunk_backward_workspace_bytes(shape, cu_seqlens_);
+      if (bytes > a.layers[li].chunk_ws.bytes()) {
+        check_cuda(cudaStreamSynchronize(s), "kimi_linear (cuda): chunk workspace");
+        a.layers[li].chunk_ws.resize(bytes);
+      }
+    }
+    keep_chunk_forward_ = backward;
   }
   check_cuda(cudaMemcpyAsync(a.ids.data(), inputs, size_t(R) * 4, cudaMemcpyHostToDevice, s),
              "cudaMemcpyAsync (ids)");

@@ -69,6 +69,9 @@ struct LineageCudaModel::PerLayer {
   // MLA: the kv_a rows [c | k_rope] fp32, the latent before its norm, its inverse RMS, the normed
   // latent in bf16 (q_c, k_c, v_c hold q, the per-head keys [k_nope | k_rope] and values)
   ops::cuda::DeviceBuffer rows32, lat32, inv_lat, latn_c;
+  // delta-family layers in training: the chunked forward's workspace, with what the backward
+  // needs from the forward (chunk_forward_for_backward; ~290 MB at 16384 rows, 6 heads of 128)
+  ops::cuda::DeviceBuffer chunk_ws;
 };
 
 // What the forward keeps (per layer) and the backward's scratch, for R rows.

@@ -356,7 +356,11 @@ void LineageCudaModel::mixer_forward(Layer& L, int64_t l, int64_t B, int64_t T) 
     }
   }
   engines_->timer.mark(s, "f.mixer_prep");
-  k::chunk_forward(in, P.o_c.data(), nullptr, a.workspace.data(), a.workspace.bytes(), s);
+  if (keep_chunk_forward_)
+    k::chunk_forward_for_backward(in, P.o_c.data(), nullptr, P.chunk_ws.data(), P.chunk_ws.bytes(),
+                                  s);
+  else
+    k::chunk_forward(in, P.o_c.data(), nullptr, a.workspace.data(), a.workspace.bytes(), s);
   engines_->timer.mark(s, "f.chunk");
 }
 
@@ -428,7 +432,8 @@ void LineageCudaModel::mixer_backward(Layer& L, int64_t l, int64_t B, int64_t T)
     grads.ddt_bias = a.ddt.as<float>();
   }
   engines_->timer.mark(s, "b.other");
-  k::chunk_backward(in, a.do_c.data(), nullptr, grads, a.workspace.data(), a.workspace.bytes(), s);
+  k::chunk_backward(in, a.do_c.data(), nullptr, grads, P.chunk_ws.data(), P.chunk_ws.bytes(), s,
+                    k::ChunkBackwardFrom::kept_forward);
   engines_->timer.mark(s, "b.chunk");
   if (kda) {  // the kernel overwrites; parameter gradients accumulate
     k::add_inplace(L.A_log->g(), a.dA.as<float>(), H, s);
@@ -530,9 +535,14 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
             packed ? 1 : B, packed ? R : T, H, H, dh, dh, ops::Gate::channel, 0};
         if (Lr.kind != MixerKind::kda)
           shape.gate = Lr.kind == MixerKind::gated_delta ? ops::Gate::scalar : ops::Gate::none;
-        workspace = std::max(
-            {workspace, k::chunk_forward_workspace_bytes(shape, cu_seqlens_),
-             backward ? k::chunk_backward_workspace_bytes(shape, cu_seqlens_) : size_t(0)});
+        workspace = std::max(workspace, k::chunk_forward_workspace_bytes(shape, cu_seqlens_));
+        if (backward) {  // the layer's own, kept from its forward to its backward
+          const size_t bytes = k::chunk_backward_workspace_bytes(shape, cu_seqlens_);
+          if (bytes > a.layers[li].chunk_ws.bytes()) {
+            check_cuda(cudaStreamSynchronize(s), "lineage model (cuda): chunk workspace");
+            a.layers[li].chunk_ws.resize(bytes);
+          }
+        }
       }
     }
     if (workspace > a.workspace.bytes()) {
@@ -540,6 +550,7 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
       a.workspace.resize(workspace);
     }
   }
+  keep_chunk_forward_ = backward;
 
   check_cuda(cudaMemcpyAsync(a.ids.data(), inputs, size_t(R) * 4, cudaMemcpyHostToDevice, s),
              "cudaMemcpyAsync (ids)");

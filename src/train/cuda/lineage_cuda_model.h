@@ -73,6 +73,9 @@ class LineageCudaModel final : public DeviceTrainableModel {
   std::unique_ptr<Engines> engines_;
   std::vector<Layer> layers_;
   std::unique_ptr<Activations> acts_;
+  // a training step: delta-family layers run chunk_forward_for_backward into their own
+  // workspace (PerLayer::chunk_ws) and the backward skips its recompute
+  bool keep_chunk_forward_ = false;
 };
 
 }  // namespace kda::train::cuda

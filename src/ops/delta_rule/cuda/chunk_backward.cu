@@ -1,6 +1,7 @@
 // Host side of the chunked backward: plans the workspace (forward arrays, then X, A, S0, dS, D,
 // dD and the grouped-head partials) and queues
-//   chunk_prepare + chunk_state (forward again, writing X, A, S0, D; no o, no ht),
+//   chunk_prepare + chunk_state (forward again, writing X, A, S0, D; no o, no ht) unless
+//   chunk_forward_for_backward (the same two kernels, with o and ht) left them in the workspace,
 //   chunk_state_bwd (dS, dD, dh0), chunk_bwd_local (dq, dk, dv, dg, dbeta; with a KDA layer's
 //   gate also dA_log, ddt_bias),
 //   and, for grouped value heads or the layer's l2norm, finish_qk_grads (dq / dk per q / k head).
@@ -26,45 +27,69 @@ size_t chunk_backward_workspace_bytes(const DeltaRuleShape& shape,
   return make_chunk_plan(shape, cu_seqlens, true).total_bytes;
 }
 
-void chunk_backward(const DeltaRuleDeviceInputs& in, const void* d_o, const float* d_ht,
-                    const DeltaRuleDeviceGrads& grads, void* workspace, size_t workspace_bytes,
-                    cudaStream_t stream) {
+namespace {
+
+struct BackwardSetup {
+  ChunkPlan plan;
+  KdaLayerParams layer;
+};
+
+// What chunk_backward and chunk_forward_for_backward require of their arguments (`who` starts
+// the messages), and the backward's plan of the workspace.
+BackwardSetup backward_setup(const DeltaRuleDeviceInputs& in, const void* workspace,
+                             size_t workspace_bytes, const std::string& who) {
   const DeltaRuleShape& s = in.shape;
   s.validate();
-  require(in.dtype == ElementType::bf16, "delta rule (cuda backward): bf16 inputs only");
-  const KdaLayerParams layer = kda_layer_params(in, "delta rule (cuda backward)");
+  require(in.dtype == ElementType::bf16, who + ": bf16 inputs only");
+  BackwardSetup b{{}, kda_layer_params(in, who.c_str())};
   require(s.K == s.V && (s.K == 64 || s.K == 128),
-          "delta rule (cuda backward): supports K = V in {64, 128}, got K=" + std::to_string(s.K) +
+          who + ": supports K = V in {64, 128}, got K=" + std::to_string(s.K) +
               " V=" + std::to_string(s.V));
-  require(in.q && in.k && in.v && in.beta && d_o,
-          "delta rule (cuda backward): q, k, v, beta and d_o must be non-null");
+  require(in.q && in.k && in.v && in.beta, who + ": q, k, v and beta must be non-null");
+  require(s.gate == Gate::none || in.g, who + ": g must be non-null for gated rules");
+  require(s.HV <= 65535, who + ": HV too large");
+  b.plan = make_chunk_plan(s, in.cu_seqlens, true);
+  require(b.plan.num_seqs <= 65535, who + ": at most 65535 sequences per call");
+  require(workspace && workspace_bytes >= b.plan.total_bytes,
+          who + ": workspace too small (" + std::to_string(workspace_bytes) + " < " +
+              std::to_string(b.plan.total_bytes) + " bytes)");
+  return b;
+}
+
+}  // namespace
+
+void chunk_forward_for_backward(const DeltaRuleDeviceInputs& in, void* o, float* ht,
+                                void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  const BackwardSetup b =
+      backward_setup(in, workspace, workspace_bytes, "delta rule (cuda forward for backward)");
+  require(o != nullptr, "delta rule (cuda forward for backward): o must be non-null");
+  // the backward's recompute exactly, plus o and ht: not pipelined, Qt / Kd kept for every gate
+  const ChunkWorkspace ws = bind_chunk_workspace(b.plan, workspace, stream);
+  const ChunkTokens x = chunk_tokens(in, b.layer, o, ht);
+  const int K = int(in.shape.K), V = int(in.shape.V);
+  launch_chunk_prepare(x, ws, in.shape.gate, K, V, stream);
+  launch_chunk_state(x, ws, b.plan.num_seqs, K, V, stream);
+}
+
+void chunk_backward(const DeltaRuleDeviceInputs& in, const void* d_o, const float* d_ht,
+                    const DeltaRuleDeviceGrads& grads, void* workspace, size_t workspace_bytes,
+                    cudaStream_t stream, ChunkBackwardFrom from) {
+  const DeltaRuleShape& s = in.shape;
+  const BackwardSetup b =
+      backward_setup(in, workspace, workspace_bytes, "delta rule (cuda backward)");
+  const ChunkPlan& plan = b.plan;
+  const KdaLayerParams& layer = b.layer;
+  require(d_o != nullptr, "delta rule (cuda backward): d_o must be non-null");
   require(grads.dq && grads.dk && grads.dv && grads.dbeta,
           "delta rule (cuda backward): dq, dk, dv and dbeta must be non-null");
-  require(s.gate == Gate::none || (in.g && grads.dg),
-          "delta rule (cuda backward): g and dg must be non-null for gated rules");
-  require(s.HV <= 65535, "delta rule (cuda backward): HV too large");
-  const ChunkPlan plan = make_chunk_plan(s, in.cu_seqlens, true);
-  require(plan.num_seqs <= 65535, "delta rule (cuda backward): at most 65535 sequences per call");
-  require(workspace && workspace_bytes >= plan.total_bytes,
-          "delta rule (cuda backward): workspace too small (" + std::to_string(workspace_bytes) +
-              " < " + std::to_string(plan.total_bytes) + " bytes)");
+  require(s.gate == Gate::none || grads.dg,
+          "delta rule (cuda backward): dg must be non-null for gated rules");
 
   const ChunkWorkspace ws = bind_chunk_workspace(plan, workspace, stream);
   char* base = static_cast<char*>(workspace);
 
-  ChunkTokens x{};
-  x.q = static_cast<const __nv_bfloat16*>(in.q);
-  x.k = static_cast<const __nv_bfloat16*>(in.k);
-  x.v = static_cast<const __nv_bfloat16*>(in.v);
-  x.g = static_cast<const __nv_bfloat16*>(in.g);
-  x.beta = static_cast<const __nv_bfloat16*>(in.beta);
-  x.o = nullptr;
-  x.h0 = in.h0;
-  x.ht = nullptr;
-  x.H = int(s.H);
-  x.HV = int(s.HV);
-  x.scale = float(s.effective_scale());
-  x.layer = layer;  // the recompute and chunk_bwd_local activate as the forward did
+  // the recompute writes neither o nor ht; it and chunk_bwd_local activate as the forward did
+  const ChunkTokens x = chunk_tokens(in, layer, nullptr, nullptr);
 
   ChunkGrads gd{};
   gd.dO = static_cast<const __nv_bfloat16*>(d_o);
@@ -87,7 +112,7 @@ void chunk_backward(const DeltaRuleDeviceInputs& in, const void* d_o, const floa
   // the gradients are then incomplete). Unset in normal use.
   const char* only = std::getenv("KDA_BWD_STAGES");
   auto run = [&](const char* stage) { return !only || std::strcmp(only, stage) == 0; };
-  if (run("recompute")) {
+  if (from == ChunkBackwardFrom::recompute && run("recompute")) {
     launch_chunk_prepare(x, ws, s.gate, K, V, stream);
     launch_chunk_state(x, ws, plan.num_seqs, K, V, stream);
   }

@@ -136,19 +136,7 @@ void chunk_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void* wo
   // Kernel-lab knob: KDA_GDN_RAW=0 keeps Qt / Kd in the workspace for Gated DeltaNet too.
   if (const char* raw = std::getenv("KDA_GDN_RAW")) ws.raw_qk = ws.raw_qk && raw[0] != '0';
 
-  ChunkTokens x{};
-  x.q = static_cast<const __nv_bfloat16*>(in.q);
-  x.k = static_cast<const __nv_bfloat16*>(in.k);
-  x.v = static_cast<const __nv_bfloat16*>(in.v);
-  x.g = static_cast<const __nv_bfloat16*>(in.g);
-  x.beta = static_cast<const __nv_bfloat16*>(in.beta);
-  x.o = static_cast<__nv_bfloat16*>(o);
-  x.h0 = in.h0;
-  x.ht = ht;
-  x.H = int(s.H);
-  x.HV = int(s.HV);
-  x.scale = float(s.effective_scale());
-  x.layer = layer;
+  const ChunkTokens x = chunk_tokens(in, layer, o, ht);
   // Kernel-lab knob: KDA_CHUNK_STAGES=prepare|state runs one stage alone (for timing only;
   // the output is then incomplete). Unset in normal use.
   const char* stages = std::getenv("KDA_CHUNK_STAGES");

@@ -149,4 +149,22 @@ KdaLayerParams kda_layer_params(const cuda::DeltaRuleDeviceInputs& in, const cha
   return p;
 }
 
+ChunkTokens chunk_tokens(const cuda::DeltaRuleDeviceInputs& in, const KdaLayerParams& layer,
+                         void* o, float* ht) {
+  ChunkTokens x{};
+  x.q = static_cast<const __nv_bfloat16*>(in.q);
+  x.k = static_cast<const __nv_bfloat16*>(in.k);
+  x.v = static_cast<const __nv_bfloat16*>(in.v);
+  x.g = static_cast<const __nv_bfloat16*>(in.g);
+  x.beta = static_cast<const __nv_bfloat16*>(in.beta);
+  x.o = static_cast<__nv_bfloat16*>(o);
+  x.h0 = in.h0;
+  x.ht = ht;
+  x.H = int(in.shape.H);
+  x.HV = int(in.shape.HV);
+  x.scale = float(in.shape.effective_scale());
+  x.layer = layer;
+  return x;
+}
+
 }  // namespace kda::ops::cuda_detail

@@ -38,4 +38,8 @@ ChunkWorkspace bind_chunk_workspace(const ChunkPlan& plan, void* workspace, cuda
 // [-5, 0)); `who` starts the error messages.
 KdaLayerParams kda_layer_params(const cuda::DeltaRuleDeviceInputs& in, const char* who);
 
+// The kernels' view of the bf16 inputs (o, ht: the forward's outputs, null where not wanted).
+ChunkTokens chunk_tokens(const cuda::DeltaRuleDeviceInputs& in, const KdaLayerParams& layer,
+                         void* o, float* ht);
+
 }  // namespace kda::ops::cuda_detail

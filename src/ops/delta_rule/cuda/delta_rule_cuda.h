@@ -109,9 +109,24 @@ struct DeltaRuleDeviceGrads {
 };
 size_t chunk_backward_workspace_bytes(const DeltaRuleShape& shape,
                                       std::span<const int64_t> cu_seqlens);
+// Where chunk_backward finds the forward's per-chunk arrays: it recomputes them (a chunk_prepare
+// and a state walk: ~1 ms of the ~5.9 ms of a KDA layer's forward + backward at 8 x 2048, H = 32,
+// K = V = 128), or chunk_forward_for_backward kept them in the workspace.
+enum class ChunkBackwardFrom { recompute, kept_forward };
 void chunk_backward(const DeltaRuleDeviceInputs& in, const void* d_o, const float* d_ht,
                     const DeltaRuleDeviceGrads& grads, void* workspace, size_t workspace_bytes,
-                    cudaStream_t stream);
+                    cudaStream_t stream, ChunkBackwardFrom from = ChunkBackwardFrom::recompute);
+
+// A training forward: chunk_forward's o and ht (bf16 inputs, the K, V and option limits of
+// chunk_backward), computed by the backward's own recompute, which also leaves in `workspace`
+// (chunk_backward_workspace_bytes) the arrays the backward needs. chunk_backward(...,
+// ChunkBackwardFrom::kept_forward) on the same inputs and the untouched workspace then skips its
+// recompute and gives bit for bit the gradients of the recompute path. The price: the
+// workspace stays allocated from forward to backward (per layer, in a model), and the forward
+// writes ~4 K V bytes more per chunk and value head (at 8 x 2048, H = 32: ~0.55 GB) and is never
+// pipelined (chunk_forward's split of one or two long sequences into pieces).
+void chunk_forward_for_backward(const DeltaRuleDeviceInputs& in, void* o, float* ht,
+                                void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // The recurrence token by token (one block per sequence, value head and 32-column tile of the
 // state): fp32 arithmetic throughout. Any K in {32, 64, 128}, V a multiple of 32. `workspace` as
