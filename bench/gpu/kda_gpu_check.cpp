@@ -16,12 +16,15 @@
 //   dbeta; 5e-2 for the token sums dA_log, ddt_bias).
 //   Chunked backward (bf16): dq, dk, dv, dg, dbeta, dh0 against the CPU fp32 chunked backward
 //   (delta_rule_chunk_backward, verified to 1e-7 against float64) on the same bf16-rounded
-//   inputs; tolerances fla's: 8e-3 (dq, dk, dv, dh0), 2e-2 (dg, dbeta).
+//   inputs; tolerances fla's: 8e-3 (dq, dk, dv, dh0), 2e-2 (dg, dbeta). Every backward check
+//   also runs the training pair (chunk_forward_for_backward, then chunk_backward from the kept
+//   arrays) against the recompute path (check_kept_forward).
 // --decode: --check and --bench restricted to decode (its checks; the ceilings and decode rows).
 // --small: one small forward and backward case (for compute-sanitizer).
 // --bench: copy bandwidth and cuBLAS bf16 GEMM ceilings, chunked forward (KDA, GDN; KDA also
 //   with the layer options) at H = 32, K = V = 128 for 8x2048, 2x8192, 1x65536, forward +
-//   backward on the same shapes (KDA also with the layer options), and decode for B = 1, 16,
+//   backward on the same shapes (KDA also with the layer options; the training pair, and the
+//   plain forward with a recomputing backward: the `_recompute` rows), and decode for B = 1, 16,
 //   64, 128: the automatic choice, the tile and the head kernel, and the same-size ceilings
 //   (decode_state_copy: the step's state bytes copied in place; cudaMemcpyAsync of as many
 //   bytes), all over slot sets rotating through a 2 GiB pool (no L2 reuse between calls).
