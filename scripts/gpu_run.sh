@@ -80,13 +80,6 @@ if [ "$mode" = "--train" ]; then
         tee "$log_dir/attention_mma.log" | grep -v "^CHECK.*PASS" | sed 's/^BENCH/BENCH mma/'
       [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
       echo "mma.sync: $(grep -c "^CHECK.*PASS" "$log_dir/attention_mma.log") checks pass"
-      echo "== attention with the plain wgmma forward (opt-in: KDA_ATTENTION_TMA_FORWARD=0 KDA_ATTENTION_WGMMA_FORWARD=1)"
-      KDA_ATTENTION_TMA_FORWARD=0 KDA_ATTENTION_WGMMA_FORWARD=1 timeout 120 ./build-gpu-app/bin/kda_gpu_model --check --bench \
-        --shared gpu_carry/shared attention attention_bwd 2>&1 |
-        tee "$log_dir/attention_wgmma_fwd.log" | grep -v "^CHECK.*PASS" | grep -v decode |
-        sed 's/^BENCH/BENCH wgmma-fwd/'
-      [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
-      echo "wgmma forward: $(grep -c "^CHECK.*PASS" "$log_dir/attention_wgmma_fwd.log") checks pass"
       # the TMA forward (default: 2, with the intra-warpgroup overlap); 1 runs one product at a time
       echo "== attention with the TMA forward one product at a time (KDA_ATTENTION_TMA_FORWARD=1)"
       KDA_ATTENTION_TMA_FORWARD=1 timeout 120 ./build-gpu-app/bin/kda_gpu_model --check --bench \

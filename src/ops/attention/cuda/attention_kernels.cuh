@@ -128,12 +128,9 @@ void launch_attention_generic(const AttentionParams& p, bool elem_bf16, cudaStre
 // (launching nothing) when this shape or layout has no instantiation (the caller falls back to
 // the generic kernel).
 bool launch_attention_prefill(const AttentionParams& p, cudaStream_t stream);
-// The wgmma (sm_90a) forward for head dims 128 / 128 (attention_prefill_wgmma.cu): launches when
-// KDA_ATTENTION_WGMMA_FORWARD=1 (slower than the mma.sync kernel for now),
+// The wgmma (sm_90a) forward with a TMA producer warp for head dims 128 / 128
+// (attention_prefill_tma.cu): launches unless KDA_ATTENTION_TMA_FORWARD=0, when
 // attention_wgmma_enabled() and the layout allows, and returns whether it did.
-bool launch_attention_prefill_wgmma(const AttentionParams& p, cudaStream_t stream);
-// The wgmma forward with a TMA producer warp (attention_prefill_tma.cu), work in progress:
-// launches when KDA_ATTENTION_TMA_FORWARD=1, attention_wgmma_enabled() and the layout allows.
 bool launch_attention_prefill_tma(const AttentionParams& p, cudaStream_t stream);
 // The wgmma building blocks alone (wgmma_probe.cu): bf16 a [64, 128], b [64, 128], p [64, 64],
 // v [64, 128] (device, row-major) -> s = a b^T [64, 64] and o = p v [64, 128] (fp32). False

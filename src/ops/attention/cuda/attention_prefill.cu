@@ -349,9 +349,7 @@ bool launch_attention_prefill(const AttentionParams& p, cudaStream_t stream) {
     return false;
   const int dkp = (p.Dk + 15) / 16 * 16;
   if (dkp == 192 && p.Dv <= 128) return launch<192, 128>(p, dkp, stream);
-  if (p.Dk == 128 && p.Dv == 128 &&
-      (launch_attention_prefill_tma(p, stream) || launch_attention_prefill_wgmma(p, stream)))
-    return true;
+  if (p.Dk == 128 && p.Dv == 128 && launch_attention_prefill_tma(p, stream)) return true;
   if (dkp == 128 && p.Dv <= 128)
     return attention_wide_rows(p.Tq, p.Hq, p.batch) ? launch<128, 128, 2>(p, dkp, stream)
                                                     : launch<128, 128>(p, dkp, stream);

@@ -2,8 +2,8 @@
 // (sm_90a; FlashAttention-3's warp specialisation, without its ping-pong). The default forward
 // for those shapes on compute capability 9 (H200, 2026-12-01: T = 2048, H = 32 0.166 -> 0.109
 // ms against the mma.sync forward of attention_prefill.cu, T = 8192 2.066 -> 1.288 ms, 427
-// TFLOP/s; the plain wgmma one of attention_prefill_wgmma.cu, whose copies and V transpose run
-// on the computing warps, was slower than mma.sync). KDA_ATTENTION_TMA_FORWARD picks the
+// TFLOP/s; a plain wgmma forward, whose copies and V transpose ran on the computing warps, was
+// slower than mma.sync and is gone: docs/GPU_NOTES.md). KDA_ATTENTION_TMA_FORWARD picks the
 // variant: 2 (default) issues S of the next tile beside P V of this one and runs the next
 // softmax while the second product does (FlashAttention-3's intra-warpgroup overlap), 1 runs one
 // product at a time, 0 turns the kernel off.
@@ -13,7 +13,7 @@
 // stage with a "full" mbarrier counting the bytes and an "empty" one the consumers arrive on).
 // Warpgroups 1 and 2 consume 64 queries each, never meeting at a block barrier:
 //   S = Q K^T      8 x wgmma m64n64k16, Q and K as TMA left them (128-byte swizzle, K-major)
-//   online softmax on the S accumulators (as attention_prefill_wgmma.cu)
+//   online softmax on the S accumulators (masks only on tiles crossing the diagonal or Tk)
 //   O += P V       4 x wgmma m64n128k16, P from registers, V read as stored ([keys][dims]:
 //                  MN-major descriptor, trans-b; no transpose)
 // The tensor maps are 4-D (head dim, head, token, sequence), so a box never crosses into the

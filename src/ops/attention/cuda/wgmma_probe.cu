@@ -1,5 +1,5 @@
 // A probe of the wgmma building blocks (wgmma.cuh) on their own, for the check suite: one
-// warpgroup computes, through the same layouts and calls as attention_prefill_wgmma.cu,
+// warpgroup computes, through the layouts and calls the wgmma attention kernels use,
 //   S = A B^T      (A 64 x 128, B 64 x 128; 8 wgmma m64n64k16 from swizzled shared memory)
 //   O = P V        (P 64 x 64 held in registers in the accumulator layout, V 64 x 128 stored
 //                   transposed; 4 wgmma m64n128k16)
