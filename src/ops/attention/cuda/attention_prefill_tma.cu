@@ -362,13 +362,17 @@ bool launch_attention_prefill_tma(const AttentionParams& p, cudaStream_t stream)
   if (!head_map(&map_q, p.q, p.Hq, p.Tq, p.q_stride, p.q_bstride, p.batch, kBM) ||
       !head_map(&map_k, p.k, p.Hkv, p.Tk, p.k_stride, p.k_bstride, p.batch, kBN) ||
       !head_map(&map_v, p.v, p.Hkv, p.Tk, p.v_stride, p.v_bstride, p.batch, kBN)) {
-    return false;  // (the driver refused the maps: the wgmma or mma.sync forward runs instead)
+    return false;  // (the driver refused the maps: the mma.sync forward runs instead)
   }
   auto kernel =
       mode == 2 ? attention_prefill_tma_kernel<true> : attention_prefill_tma_kernel<false>;
-  check_cuda(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemLaunch)),
-      "cudaFuncSetAttribute (attention_prefill_tma_kernel)");
+  static const bool configured = [kernel] {  // once (the mode is fixed for the process)
+    check_cuda(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemLaunch)),
+        "cudaFuncSetAttribute (attention_prefill_tma_kernel)");
+    return true;
+  }();
+  (void)configured;
   const dim3 grid = attention_tile_grid((p.Tq + kBM - 1) / kBM, p.Hq, p.batch);
   kernel<<<grid, kThreads, kSmemLaunch, stream>>>(p, map_q, map_k, map_v);
   check_launch("attention_prefill_tma_kernel");

@@ -85,7 +85,9 @@ void chunk_backward(const DeltaRuleDeviceInputs& in, const void* d_o, const floa
   require(s.gate == Gate::none || grads.dg,
           "delta rule (cuda backward): dg must be non-null for gated rules");
 
-  const ChunkWorkspace ws = bind_chunk_workspace(plan, workspace, stream);
+  // (chunk_forward_for_backward left the same plan's tables in the workspace)
+  const ChunkWorkspace ws =
+      bind_chunk_workspace(plan, workspace, stream, from == ChunkBackwardFrom::recompute);
   char* base = static_cast<char*>(workspace);
 
   // the recompute writes neither o nor ht; it and chunk_bwd_local activate as the forward did

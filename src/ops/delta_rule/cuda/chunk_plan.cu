@@ -99,8 +99,11 @@ ChunkPlan make_chunk_plan(const DeltaRuleShape& s, std::span<const int64_t> cu_s
   return p;
 }
 
-ChunkWorkspace bind_chunk_workspace(const ChunkPlan& plan, void* workspace, cudaStream_t stream) {
-  staging().copy(workspace, plan.tables.data(), plan.table_bytes, stream);
+ChunkWorkspace bind_chunk_workspace(const ChunkPlan& plan, void* workspace, cudaStream_t stream,
+                                    bool upload_tables) {
+  // (the staging buffer's copy waits on the host for the previous one: skipping it where the
+  // tables are already there keeps the host queueing ahead)
+  if (upload_tables) staging().copy(workspace, plan.tables.data(), plan.table_bytes, stream);
   char* base = static_cast<char*>(workspace);
   const int64_t* t = static_cast<const int64_t*>(workspace);
   const int64_t NC = plan.num_chunks, N = plan.num_seqs;

@@ -29,9 +29,11 @@ struct ChunkPlan {
 ChunkPlan make_chunk_plan(const DeltaRuleShape& s, std::span<const int64_t> cu_seqlens,
                           bool backward);
 
-// Copies the plan's tables to the start of `workspace` (asynchronously, through a pinned buffer)
-// and returns the forward workspace view; the backward arrays are set when planned.
-ChunkWorkspace bind_chunk_workspace(const ChunkPlan& plan, void* workspace, cudaStream_t stream);
+// Copies the plan's tables to the start of `workspace` (asynchronously, through a pinned buffer,
+// unless `upload_tables` is false: a workspace that already holds them) and returns the forward
+// workspace view; the backward arrays are set when planned.
+ChunkWorkspace bind_chunk_workspace(const ChunkPlan& plan, void* workspace, cudaStream_t stream,
+                                    bool upload_tables = true);
 
 // A KDA layer's options as the kernels take them (`on` false when none is set), after checking
 // what chunk_forward and chunk_backward require of them (bf16, Gate::channel, lower_bound in
