@@ -4,7 +4,8 @@
 // gradients and AdamW moments on the device (train/cuda/device_params.h). Mixers: softmax
 // attention (RoPE when every layer is softmax), linear attention (fp32 kernel), DeltaNet, Gated
 // DeltaNet and KDA (with the short convolutions), and Kimi's NoPE MLA. Activations of
-// every layer are kept for the backward (no recomputation).
+// every layer are kept for the backward (no recomputation; the delta-family layers keep their
+// chunked kernels' per-chunk arrays too, by chunk_forward_for_backward into a workspace each).
 //
 // Numerics: the CPU model is the fp32 reference; this one rounds GEMM inputs and the mixers'
 // inputs to bf16 (fla's precision), so losses agree to ~1e-3 and gradients to ~1e-2. The KDA
