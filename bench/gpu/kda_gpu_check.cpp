@@ -21,6 +21,9 @@
 //   arrays) against the recompute path (check_kept_forward).
 // --decode: --check and --bench restricted to decode (its checks; the ceilings and decode rows).
 // --small: one small forward and backward case (for compute-sanitizer).
+// --profile: a few of each call, untimed, for a profiler (ncu, nsys): the KDA chunked forward,
+//   backward and training pair at KDA_PROFILE_SHAPE=BxT (default 8x2048; 1x65536 pipelines the
+//   forward), and a B = 16 decode step.
 // --bench: copy bandwidth and cuBLAS bf16 GEMM ceilings, chunked forward (KDA, GDN; KDA also
 //   with the layer options) at H = 32, K = V = 128 for 8x2048, 2x8192, 1x65536, forward +
 //   backward on the same shapes (KDA also with the layer options; the training pair, and the
@@ -1011,10 +1014,21 @@ void fill_device_random_bf16(const DeviceBuffer& b, size_t n, uint64_t seed, flo
 // Two chunked forwards and backwards (KDA, 8 x 2048, H = 32) and two decode steps (B = 16),
 // for ncu.
 void run_profile() {
-  DeltaRuleShape s{8, 2048, 32, 32, 128, 128, Gate::channel, 0};
-  const size_t tokens = 8 * 2048, H = 32, K = 128, V = 128;
+  // KDA_PROFILE_SHAPE=BxT picks the chunked calls' batch and length (default 8x2048; 1x65536
+  // runs the pipelined forward, for a timeline of its two streams)
+  int64_t B0 = 8, T0 = 2048;
+  if (const char* shape = std::getenv("KDA_PROFILE_SHAPE")) {
+    long long b = 0, t = 0;
+    if (std::sscanf(shape, "%lldx%lld", &b, &t) != 2 || b < 1 || t < 1)
+      throw Error(std::string("KDA_PROFILE_SHAPE: expected BxT, got '") + shape + "'");
+    B0 = b, T0 = t;
+  }
+  require(B0 * T0 >= 16, "KDA_PROFILE_SHAPE: at least 16 tokens (the decode step reads 16)");
+  DeltaRuleShape s{B0, T0, 32, 32, 128, 128, Gate::channel, 0};
+  const size_t tokens = size_t(B0 * T0), H = 32, K = 128, V = 128;
   DeviceBuffer q(tokens * H * K * 2), k(tokens * H * K * 2), v(tokens * H * V * 2),
-      g(tokens * H * K * 2), beta(tokens * H * 2), o(tokens * H * V * 2), ht(8 * H * K * V * 4);
+      g(tokens * H * K * 2), beta(tokens * H * 2), o(tokens * H * V * 2),
+      ht(size_t(B0) * H * K * V * 4);
   fill_device_random_bf16(q, tokens * H * K, 11, -1, 1, true, int(K));
   fill_device_random_bf16(k, tokens * H * K, 12, -1, 1, true, int(K));
   fill_device_random_bf16(v, tokens * H * V, 13, -1, 1);
@@ -1037,6 +1051,14 @@ void run_profile() {
     for (int i = 0; i < 2; ++i)
       cuda::chunk_backward(d, o.ptr, nullptr, grads, ws.ptr, ws_bytes, nullptr);
     ck(cudaDeviceSynchronize(), "profile backward");
+    // the training pair (its forward into a second output: o holds d_o here)
+    DeviceBuffer o2(tokens * H * V * 2);
+    for (int i = 0; i < 2; ++i) {
+      cuda::chunk_forward_for_backward(d, o2.ptr, ht.as<float>(), ws.ptr, ws_bytes, nullptr);
+      cuda::chunk_backward(d, o.ptr, nullptr, grads, ws.ptr, ws_bytes, nullptr,
+                           cuda::ChunkBackwardFrom::kept_forward);
+    }
+    ck(cudaDeviceSynchronize(), "profile training pair");
   }
   const int64_t B = 16;
   DeviceBuffer pool(size_t(1024) * H * K * V * 4), slots(B * 4);
