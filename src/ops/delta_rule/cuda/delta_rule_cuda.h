@@ -121,7 +121,10 @@ void chunk_backward(const DeltaRuleDeviceInputs& in, const void* d_o, const floa
 // chunk_backward), computed by the backward's own recompute, which also leaves in `workspace`
 // (chunk_backward_workspace_bytes) the arrays the backward needs. chunk_backward(...,
 // ChunkBackwardFrom::kept_forward) on the same inputs and the untouched workspace then skips its
-// recompute and gives bit for bit the gradients of the recompute path. The price: the
+// recompute and computes what the recompute path computes (as equal to it as two runs of that
+// path are to each other: bit for bit but where shared-memory float sums may change order). It
+// cannot tell a workspace that did not come from this forward: other contents give wrong
+// gradients, not an error. The price: the
 // workspace stays allocated from forward to backward (per layer, in a model), and the forward
 // writes ~4 K V bytes more per chunk and value head (at 8 x 2048, H = 32: ~0.55 GB) and is never
 // pipelined (chunk_forward's split of one or two long sequences into pieces).
