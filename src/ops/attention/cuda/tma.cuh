@@ -1,13 +1,14 @@
 // Tensor-memory-accelerator (TMA, sm_90) building blocks: bf16 tensor maps with the 128-byte
 // swizzle that wgmma.cuh's K-major tiles use (chunk c of row r at r * 128 + ((c ^ (r % 8)) * 16),
-// the destination 1024-byte aligned), tiled loads completing on an mbarrier, and the mbarrier
-// operations of a producer / consumer ring.
+// the destination 1024-byte aligned) and tiled loads completing on an mbarrier (the mbarrier
+// operations of a producer / consumer ring: ops/common/async_copy.cuh).
 #pragma once
 #include <cuda.h>  // CUtensorMap (the type only: the encoder comes from the runtime's entry point)
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "ops/common/async_copy.cuh"
 #include "ops/delta_rule/cuda/device_common.cuh"
 
 namespace kda::ops::cuda_detail {
@@ -17,36 +18,6 @@ namespace kda::ops::cuda_detail {
 // 128: one swizzle row); out-of-bounds elements read as zero. False if the driver refuses.
 bool encode_tensor_map_bf16(CUtensorMap* map, const void* base, int rank, const uint64_t* dims,
                             const uint64_t* strides_bytes, const uint32_t* box);
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count)
-               : "memory");
-}
-// Makes initialised mbarriers visible to the async proxy (TMA) and the other threads.
-__device__ __forceinline__ void mbar_init_fence() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
-// Waits until the phase with parity `parity` of the barrier has completed.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  const uint32_t addr = smem_addr(bar);
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(addr), "r"(parity)
-        : "memory");
-  } while (!done);
-}
 
 // One box of the tensor map at coordinates (c0, c1[, c2, c3]) into dst (1024-byte aligned for
 // the 128-byte swizzle), its bytes counted on bar.

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "ops/common/async_copy.cuh"
 #include "ops/common/sequences.h"
 #include "ops/delta_rule/cuda/delta_rule_cuda.h"
 #include "ops/delta_rule/cuda/device_common.cuh"
@@ -202,34 +203,6 @@ struct HeadLayout {
   static constexpr int kSmemPerWarp = kSmemRows / 8;  // a thread's shared-memory rows
 };
 
-// mbarrier and bulk-copy primitives (sm_90), as in attention_decode_bulk.cu
-__device__ __forceinline__ void head_mbar_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(bar)) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void head_bulk_load(void* smem, const void* gmem, uint32_t bytes,
-                                               uint64_t* bar) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
-          "r"(smem_addr(smem)),
-      "l"(gmem), "r"(bytes), "r"(smem_addr(bar))
-      : "memory");
-}
-__device__ __forceinline__ void head_mbar_wait(uint64_t* bar) {
-  const uint32_t addr = smem_addr(bar);
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n"
-        " selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(addr)
-        : "memory");
-  } while (!done);
-}
 // Streaming 16-byte store (evict-first: this step does not read the new state again). No
 // "memory" clobber, so loads of other addresses (shared-memory rows, the next row's k) may be
 // scheduled across it; callers never read back what they store.
@@ -271,8 +244,10 @@ __global__ void __launch_bounds__(kHeadThreads, 4) decode_head_kernel(const Recu
   if constexpr (L::kSmemRows > 0) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (tid == 0) {
-      head_mbar_init(&bar);
-      head_bulk_load(rows_smem, src + size_t(L::kRegRows) * V, uint32_t(sizeof rows_smem), &bar);
+      mbar_init(&bar, 1);
+      mbar_init_fence();
+      mbar_expect_tx(&bar, uint32_t(sizeof rows_smem));
+      bulk_copy(rows_smem, src + size_t(L::kRegRows) * V, uint32_t(sizeof rows_smem), &bar);
     }
 #else
     for (int i = tid; i < L::kSmemRows * V / 4; i += kHeadThreads)
@@ -326,7 +301,7 @@ __global__ void __launch_bounds__(kHeadThreads, 4) decode_head_kernel(const Recu
   }
   if constexpr (RS > 0) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    head_mbar_wait(&bar);
+    mbar_wait(&bar, 0);
 #endif
 #pragma unroll 2
     for (int r = 0; r < RS; ++r) {
