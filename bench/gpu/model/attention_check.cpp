@@ -652,69 +652,71 @@ void bench_decode(const char* what, int64_t Tk, int64_t Hq, int64_t Hkv, int64_t
 // The wgmma building blocks alone (ops/attention/cuda/wgmma_probe.cu) against float64 products
 // of the same bf16 inputs: S = A B^T through swizzled shared memory, O = P V with P in registers
 // and V transposed. Tells a layout error from an attention error.
+// The probes' operands (A, B 64 x 128; P 64 x 64; V 64 x 128, bf16) and their float64 products
+// S = A B^T, O = P V on the rounded values.
+struct ProbeProblem {
+  DeviceArray a, b, pm, v;
+  std::vector<double> s_ref, o_ref;
+};
+
+ProbeProblem make_probe_problem() {
+  ProbeProblem p{to_device(random_values(64 * 128, fresh_seed()), ElementType::bf16),
+                 to_device(random_values(64 * 128, fresh_seed()), ElementType::bf16),
+                 to_device(random_values(64 * 64, fresh_seed()), ElementType::bf16),
+                 to_device(random_values(64 * 128, fresh_seed()), ElementType::bf16),
+                 std::vector<double>(64 * 64, 0.0),
+                 std::vector<double>(64 * 128, 0.0)};
+  for (int i = 0; i < 64; ++i) {
+    for (int j = 0; j < 64; ++j)
+      for (int k = 0; k < 128; ++k)
+        p.s_ref[i * 64 + j] += p.a.rounded[i * 128 + k] * p.b.rounded[j * 128 + k];
+    for (int key = 0; key < 64; ++key)
+      for (int d = 0; d < 128; ++d)
+        p.o_ref[i * 128 + d] += p.pm.rounded[i * 64 + key] * p.v.rounded[key * 128 + d];
+  }
+  return p;
+}
+
 void check_wgmma_probe(Tally& tally) {
-  const DeviceArray a = to_device(random_values(64 * 128, fresh_seed()), ElementType::bf16);
-  const DeviceArray b = to_device(random_values(64 * 128, fresh_seed()), ElementType::bf16);
-  const DeviceArray pm = to_device(random_values(64 * 64, fresh_seed()), ElementType::bf16);
-  const DeviceArray v = to_device(random_values(64 * 128, fresh_seed()), ElementType::bf16);
+  const ProbeProblem p = make_probe_problem();
   DeviceBuffer s(64 * 64 * 4), o(64 * 128 * 4);
   poison(s.data(), s.bytes());
   poison(o.data(), o.bytes());
-  if (!ops::cuda_detail::run_wgmma_probe(a.data(), b.data(), pm.data(), v.data(), s.as<float>(),
-                                         o.as<float>(), nullptr)) {
+  if (!ops::cuda_detail::run_wgmma_probe(p.a.data(), p.b.data(), p.pm.data(), p.v.data(),
+                                         s.as<float>(), o.as<float>(), nullptr)) {
     std::printf("(wgmma probe skipped: not a compute capability 9 device)\n");
     return;
   }
   cu::check_cuda(cudaDeviceSynchronize(), "wgmma probe");
-  std::vector<double> s_ref(64 * 64, 0.0), o_ref(64 * 128, 0.0);
-  for (int i = 0; i < 64; ++i) {
-    for (int j = 0; j < 64; ++j)
-      for (int k = 0; k < 128; ++k)
-        s_ref[i * 64 + j] += a.rounded[i * 128 + k] * b.rounded[j * 128 + k];
-    for (int key = 0; key < 64; ++key)
-      for (int d = 0; d < 128; ++d)
-        o_ref[i * 128 + d] += pm.rounded[i * 64 + key] * v.rounded[key * 128 + d];
-  }
   report(tally, "wgmma probe S = A B^T (m64n64k16, both operands from swizzled shared memory)",
-         rel_error(from_device(s.data(), s_ref.size(), ElementType::f32), s_ref), 1e-5);
+         rel_error(from_device(s.data(), p.s_ref.size(), ElementType::f32), p.s_ref), 1e-5);
   report(tally, "wgmma probe O = P V (m64n128k16, P in registers, V^T in shared memory)",
-         rel_error(from_device(o.data(), o_ref.size(), ElementType::f32), o_ref), 1e-5);
+         rel_error(from_device(o.data(), p.o_ref.size(), ElementType::f32), p.o_ref), 1e-5);
 }
 
 // The TMA path's building blocks (attention_prefill_tma.cu): TMA's 128-byte swizzle against
 // the K-major descriptors, and V read MN-major by the descriptor. The (LBO, SBO) assignment the
 // kernel uses is checked; the swapped one is printed, to say which is right if the check fails.
 void check_tma_probe(Tally& tally) {
-  const DeviceArray a = to_device(random_values(64 * 128, fresh_seed()), ElementType::bf16);
-  const DeviceArray b = to_device(random_values(64 * 128, fresh_seed()), ElementType::bf16);
-  const DeviceArray pm = to_device(random_values(64 * 64, fresh_seed()), ElementType::bf16);
-  const DeviceArray v = to_device(random_values(64 * 128, fresh_seed()), ElementType::bf16);
+  const ProbeProblem p = make_probe_problem();
   DeviceBuffer s(64 * 64 * 4), o(64 * 128 * 4), o_swapped(64 * 128 * 4);
   poison(s.data(), s.bytes());
   poison(o.data(), o.bytes());
   poison(o_swapped.data(), o_swapped.bytes());
-  if (!ops::cuda_detail::run_tma_probe(a.data(), b.data(), pm.data(), v.data(), s.as<float>(),
-                                       o.as<float>(), o_swapped.as<float>(), nullptr)) {
+  if (!ops::cuda_detail::run_tma_probe(p.a.data(), p.b.data(), p.pm.data(), p.v.data(),
+                                       s.as<float>(), o.as<float>(), o_swapped.as<float>(),
+                                       nullptr)) {
     std::printf(
         "(TMA probe skipped: not a compute capability 9 device, or no tensor-map encoder)\n");
     return;
   }
   cu::check_cuda(cudaDeviceSynchronize(), "TMA probe");
-  std::vector<double> s_ref(64 * 64, 0.0), o_ref(64 * 128, 0.0);
-  for (int i = 0; i < 64; ++i) {
-    for (int j = 0; j < 64; ++j)
-      for (int k = 0; k < 128; ++k)
-        s_ref[i * 64 + j] += a.rounded[i * 128 + k] * b.rounded[j * 128 + k];
-    for (int key = 0; key < 64; ++key)
-      for (int d = 0; d < 128; ++d)
-        o_ref[i * 128 + d] += pm.rounded[i * 64 + key] * v.rounded[key * 128 + d];
-  }
   report(tally, "TMA probe S = A B^T (A, B by TMA with the 128-byte swizzle, K-major descriptors)",
-         rel_error(from_device(s.data(), s_ref.size(), ElementType::f32), s_ref), 1e-5);
+         rel_error(from_device(s.data(), p.s_ref.size(), ElementType::f32), p.s_ref), 1e-5);
   report(tally, "TMA probe O = P V (V by TMA, read MN-major: LBO 8 KB along N, SBO 1 KB along K)",
-         rel_error(from_device(o.data(), o_ref.size(), ElementType::f32), o_ref), 1e-5);
+         rel_error(from_device(o.data(), p.o_ref.size(), ElementType::f32), p.o_ref), 1e-5);
   std::printf("(TMA probe, LBO and SBO swapped: rel=%.3e)\n",
-              rel_error(from_device(o_swapped.data(), o_ref.size(), ElementType::f32), o_ref));
+              rel_error(from_device(o_swapped.data(), p.o_ref.size(), ElementType::f32), p.o_ref));
 }
 
 void run_suite(const SuiteOptions& options, Tally& tally) {
