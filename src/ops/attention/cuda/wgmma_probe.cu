@@ -20,6 +20,48 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
+constexpr uint32_t kTile = 64 * 128;  // one column tile: 64 rows of 128 bytes (64 bf16)
+
+#ifdef KDA_WGMMA
+// S = A B^T (64 x 64) from two column tiles each of A and B, K-major with the 128-byte swizzle.
+__device__ __forceinline__ void probe_s_product(const unsigned char* As, const unsigned char* Bs,
+                                                float (&s)[32]) {
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    const uint32_t off = (ks & 3) * 32, col = ks >> 2;
+    wgmma_m64n64k16_ss(s, sw128_desc(As + col * kTile + off), sw128_desc(Bs + col * kTile + off),
+                       ks > 0);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_operands(s);
+}
+
+// The accumulators of an m64nN product (this thread's rows `row`, row + 8) into row-major out.
+template <int N>
+__device__ __forceinline__ void probe_store(float* out, const float (&acc)[N / 2], int row,
+                                            int t4) {
+#pragma unroll
+  for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      out[(row + 8 * (e >> 1)) * N + 8 * n + 2 * t4 + (e & 1)] = acc[4 * n + e];
+}
+
+// P (64 x 64, row-major in global memory) as the A fragments of O = P V in this thread's rows.
+__device__ __forceinline__ void probe_p_fragments(const bf16* pm, int row, int t4,
+                                                  uint32_t (&pa)[4][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = row + 8 * (i & 1), c = 16 * kk + 8 * (i >> 1) + 2 * t4;
+      pa[kk][i] = pack_bf16(__bfloat162float(pm[r * 64 + c]), __bfloat162float(pm[r * 64 + c + 1]));
+    }
+}
+#endif
+
 __global__ void __launch_bounds__(128, 1)
     wgmma_probe_kernel(const bf16* a, const bf16* b, const bf16* pm, const bf16* v, float* s_out,
                        float* o_out) {
@@ -43,32 +85,13 @@ __global__ void __launch_bounds__(128, 1)
   __syncthreads();
 
   float s[32];
-  wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < 8; ++ks) {
-    const uint32_t off = (ks & 3) * 32, col = ks >> 2;
-    wgmma_m64n64k16_ss(s, sw128_desc(As + col * 64 * 128 + off),
-                       sw128_desc(Bs + col * 64 * 128 + off), ks > 0);
-  }
-  wgmma_commit();
-  wgmma_wait<0>();
-  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(s[i])::"memory");
+  probe_s_product(As, Bs, s);
   const int row = wq * 16 + g;
-#pragma unroll
-  for (int n = 0; n < 8; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      s_out[(row + 8 * (e >> 1)) * 64 + 8 * n + 2 * t4 + (e & 1)] = s[4 * n + e];
+  probe_store<64>(s_out, s, row, t4);
 
   // P from global into the accumulator layout, packed as A fragments
   uint32_t pa[4][4];
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = row + 8 * (i & 1), c = 16 * kk + 8 * (i >> 1) + 2 * t4;
-      pa[kk][i] = pack_bf16(__bfloat162float(pm[r * 64 + c]), __bfloat162float(pm[r * 64 + c + 1]));
-    }
+  probe_p_fragments(pm, row, t4, pa);
   float o[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
@@ -77,12 +100,8 @@ __global__ void __launch_bounds__(128, 1)
   for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k16_rs(o, pa[kk], sw128_desc(Vt + kk * 32));
   wgmma_commit();
   wgmma_wait<0>();
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(o[i])::"memory");
-#pragma unroll
-  for (int n = 0; n < 16; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      o_out[(row + 8 * (e >> 1)) * 128 + 8 * n + 2 * t4 + (e & 1)] = o[4 * n + e];
+  fence_operands(o);
+  probe_store<128>(o_out, o, row, t4);
 #else
   __trap();
 #endif
@@ -93,7 +112,7 @@ __global__ void __launch_bounds__(128, 1)
 // one mbarrier; S = A B^T through sw128_desc (TMA's swizzle must be sw128_offset's), and O = P V
 // with V read as stored, MN-major (sw128_desc_mn, trans-b), once with (LBO, SBO) = (8 KB, 1 KB)
 // into o and once with the two swapped into o_swapped.
-constexpr uint32_t kTmaTile = 64 * 128;  // one 64-row column tile
+constexpr uint32_t kTmaTile = kTile;
 constexpr size_t kTmaProbeSmem = 6 * size_t(kTmaTile) + 1024 + 1024;
 
 __global__ void __launch_bounds__(128, 1)
@@ -126,31 +145,12 @@ __global__ void __launch_bounds__(128, 1)
   mbar_wait(bar, 0);
 
   float s[32];
-  wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < 8; ++ks) {
-    const uint32_t off = (ks & 3) * 32, col = ks >> 2;
-    wgmma_m64n64k16_ss(s, sw128_desc(As + col * kTmaTile + off),
-                       sw128_desc(Bs + col * kTmaTile + off), ks > 0);
-  }
-  wgmma_commit();
-  wgmma_wait<0>();
-  fence_operands(s);
+  probe_s_product(As, Bs, s);
   const int row = wq * 16 + g;
-#pragma unroll
-  for (int n = 0; n < 8; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      s_out[(row + 8 * (e >> 1)) * 64 + 8 * n + 2 * t4 + (e & 1)] = s[4 * n + e];
+  probe_store<64>(s_out, s, row, t4);
 
   uint32_t pa[4][4];
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = row + 8 * (i & 1), c = 16 * kk + 8 * (i >> 1) + 2 * t4;
-      pa[kk][i] = pack_bf16(__bfloat162float(pm[r * 64 + c]), __bfloat162float(pm[r * 64 + c + 1]));
-    }
+  probe_p_fragments(pm, row, t4, pa);
   for (int variant = 0; variant < 2; ++variant) {
     const uint32_t lbo = variant == 0 ? kTmaTile : 1024, sbo = variant == 0 ? 1024 : kTmaTile;
     float o[64];
@@ -165,12 +165,7 @@ __global__ void __launch_bounds__(128, 1)
     wgmma_commit();
     wgmma_wait<0>();
     fence_operands(o);
-    float* out = variant == 0 ? o_out : o_swapped;
-#pragma unroll
-    for (int n = 0; n < 16; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        out[(row + 8 * (e >> 1)) * 128 + 8 * n + 2 * t4 + (e & 1)] = o[4 * n + e];
+    probe_store<128>(variant == 0 ? o_out : o_swapped, o, row, t4);
   }
 #else
   __trap();
