@@ -107,8 +107,12 @@ void KimiCudaModel::kda_backward(Layer& L, PerLayer& P, int64_t B, int64_t T) {
   grads.dbeta = a.db_c.data();
   grads.dA_log = a.dA.as<float>();
   grads.ddt_bias = a.ddt.as<float>();
-  k::chunk_backward(in, a.dko_c.data(), nullptr, grads, P.chunk_ws.data(), P.chunk_ws.bytes(), s,
-                    k::ChunkBackwardFrom::kept_forward);
+  if (keep_chunk_forward_)
+    k::chunk_backward(in, a.dko_c.data(), nullptr, grads, P.chunk_ws.data(), P.chunk_ws.bytes(), s,
+                      k::ChunkBackwardFrom::kept_forward);
+  else
+    k::chunk_backward(in, a.dko_c.data(), nullptr, grads, a.workspace.data(), a.workspace.bytes(),
+                      s);
   k::add_inplace(L.A_log->g(), a.dA.as<float>(), H, s);  // the kernel overwrites; grads add up
   k::add_inplace(L.dt_bias->g(), a.ddt.as<float>(), HK, s);
   // the convolutions back to the q, k, v projections (dan written by the first, then added)

@@ -292,8 +292,11 @@ size_t KimiCudaModel::workspace_bytes(int64_t B, int64_t T, bool backward) const
       const ops::DeltaRuleShape shape{
           packed ? 1 : B, packed ? R : T, c.kda_heads,        c.kda_heads,
           c.kda_head_dim, c.kda_head_dim, ops::Gate::channel, 0};
-      // (training: the layer's own PerLayer::chunk_ws, sized in forward_backward)
+      // (training that keeps the forward: the layer's own PerLayer::chunk_ws, sized in
+      // forward_backward)
       workspace = std::max(workspace, k::chunk_forward_workspace_bytes(shape, cu_seqlens_));
+      if (backward && !keep_chunk_forward_for_backward())
+        workspace = std::max(workspace, k::chunk_backward_workspace_bytes(shape, cu_seqlens_));
       continue;
     }
     const PerLayer& P = acts_->layers[li];
@@ -363,7 +366,8 @@ StepResult KimiCudaModel::forward_backward(const int32_t* inputs, const int32_t*
       check_cuda(cudaStreamSynchronize(s), "kimi_linear (cuda): workspace");
       a.workspace.resize(need);
     }
-    for (size_t li = 0; backward && li < layers_.size(); ++li) {
+    const bool keep = backward && keep_chunk_forward_for_backward();
+    for (size_t li = 0; keep && li < layers_.size(); ++li) {
       if (!layers_[li].kda) continue;  // KDA: its own workspace, kept from forward to backward
       const bool packed = !cu_seqlens_.empty();
       const ops::DeltaRuleShape shape{
@@ -375,7 +379,7 @@ StepResult KimiCudaModel::forward_backward(const int32_t* inputs, const int32_t*
         a.layers[li].chunk_ws.resize(bytes);
       }
     }
-    keep_chunk_forward_ = backward;
+    keep_chunk_forward_ = keep;
   }
   check_cuda(cudaMemcpyAsync(a.ids.data(), inputs, size_t(R) * 4, cudaMemcpyHostToDevice, s),
              "cudaMemcpyAsync (ids)");

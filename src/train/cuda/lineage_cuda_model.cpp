@@ -432,8 +432,12 @@ void LineageCudaModel::mixer_backward(Layer& L, int64_t l, int64_t B, int64_t T)
     grads.ddt_bias = a.ddt.as<float>();
   }
   engines_->timer.mark(s, "b.other");
-  k::chunk_backward(in, a.do_c.data(), nullptr, grads, P.chunk_ws.data(), P.chunk_ws.bytes(), s,
-                    k::ChunkBackwardFrom::kept_forward);
+  if (keep_chunk_forward_)
+    k::chunk_backward(in, a.do_c.data(), nullptr, grads, P.chunk_ws.data(), P.chunk_ws.bytes(), s,
+                      k::ChunkBackwardFrom::kept_forward);
+  else
+    k::chunk_backward(in, a.do_c.data(), nullptr, grads, a.workspace.data(), a.workspace.bytes(),
+                      s);
   engines_->timer.mark(s, "b.chunk");
   if (kda) {  // the kernel overwrites; parameter gradients accumulate
     k::add_inplace(L.A_log->g(), a.dA.as<float>(), H, s);
@@ -506,6 +510,7 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
 
   // workspace for this call's shapes (sized before anything is queued: growing frees memory)
   size_t workspace = 256;
+  const bool keep = keep_chunk_forward_for_backward();
   {
     const bool packed = !cu_seqlens_.empty();
     for (size_t li = 0; li < layers_.size(); ++li) {
@@ -536,7 +541,9 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
         if (Lr.kind != MixerKind::kda)
           shape.gate = Lr.kind == MixerKind::gated_delta ? ops::Gate::scalar : ops::Gate::none;
         workspace = std::max(workspace, k::chunk_forward_workspace_bytes(shape, cu_seqlens_));
-        if (backward) {  // the layer's own, kept from its forward to its backward
+        if (backward && !keep)  // one shared workspace; the backward recomputes
+          workspace = std::max(workspace, k::chunk_backward_workspace_bytes(shape, cu_seqlens_));
+        if (backward && keep) {  // the layer's own, kept from its forward to its backward
           const size_t bytes = k::chunk_backward_workspace_bytes(shape, cu_seqlens_);
           if (bytes > a.layers[li].chunk_ws.bytes()) {
             check_cuda(cudaStreamSynchronize(s), "lineage model (cuda): chunk workspace");
@@ -550,7 +557,7 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
       a.workspace.resize(workspace);
     }
   }
-  keep_chunk_forward_ = backward;
+  keep_chunk_forward_ = backward && keep;
 
   check_cuda(cudaMemcpyAsync(a.ids.data(), inputs, size_t(R) * 4, cudaMemcpyHostToDevice, s),
              "cudaMemcpyAsync (ids)");

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
 
 #include "model/cuda/gpt2_train_kernels.h"
@@ -24,6 +25,18 @@ constexpr k::ElementType kBf16 = k::ElementType::bf16;
 template <class T = char>
 T* offset(const k::DeviceBuffer& b, int64_t elements, size_t element_bytes) {
   return reinterpret_cast<T*>(b.as<char>() + size_t(elements) * element_bytes);
+}
+
+// Whether a training step's delta-family layers keep their chunked forward's arrays for the
+// backward (chunk_forward_for_backward into a workspace per layer: faster, ~0.3 GB a layer at
+// 16384 tokens and 6 heads of 128) or share one workspace and let the backward recompute them
+// (KDA_CHUNK_RECOMPUTE=1: the lean choice for large models).
+inline bool keep_chunk_forward_for_backward() {
+  static const bool keep = [] {
+    const char* recompute = std::getenv("KDA_CHUNK_RECOMPUTE");
+    return !(recompute && recompute[0] == '1');
+  }();
+  return keep;
 }
 
 inline void copy_device(void* to, const void* from, size_t bytes, cudaStream_t s) {
