@@ -99,6 +99,12 @@ if [ "$mode" = "--train" ]; then
     timeout 300 ./build-gpu-app/bin/kda_gpu_train --check ${KDA_TRAIN_BENCH:---bench} 2>&1 |
       tee "$log_dir/lineage_train.log" | grep -v "^CHECK.*PASS"
     [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+    # the trainers' lean path too (one shared chunk workspace, the backward recomputes)
+    echo "== KDA_CHUNK_RECOMPUTE=1 kda_gpu_train --check"
+    KDA_CHUNK_RECOMPUTE=1 timeout 200 ./build-gpu-app/bin/kda_gpu_train --check 2>&1 |
+      tee "$log_dir/lineage_train_recompute.log" | grep -v "^CHECK.*PASS"
+    [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+    echo "recompute path: $(grep -c "^CHECK.*PASS" "$log_dir/lineage_train_recompute.log") checks pass"
   fi
   if [ -n "${KDA_PROFILE:-}" ]; then
     echo "== kda_gpu_train --profile: a 125M step's time by stage (softmax, then the KDA hybrid)"
