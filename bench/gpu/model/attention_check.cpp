@@ -159,7 +159,7 @@ std::vector<Case> check_cases() {
        .Hq = 4,
        .Hkv = 2,
        .q_offset = 50});
-  add({.name = "chunked prefill Tq=200 q_offset=70 Hq=4 Hkv=2 D=128",  // the wgmma forwards
+  add({.name = "chunked prefill Tq=200 q_offset=70 Hq=4 Hkv=2 D=128",  // the TMA forward
        .Tq = 200,
        .Tk = 270,
        .Hq = 4,

@@ -74,11 +74,7 @@ void KimiCudaModel::kda_forward(Layer& L, PerLayer& P, int64_t B, int64_t T) {
   gemm.linear(kBf16, R, HK, K, {P.ga_c.data(), K}, {L.g_b->compute(), K}, {P.gate32.data(), kF32});
   gemm.linear(kBf16, R, H, D, {P.a_c.data(), D}, {L.b->compute(), D}, {P.b_c.data(), kBf16});
   const k::DeltaRuleDeviceInputs in = kda_inputs(c, L, P, B, T, cu_seqlens_);
-  if (keep_chunk_forward_)
-    k::chunk_forward_for_backward(in, P.kda_o_c.data(), nullptr, P.chunk_ws.data(),
-                                  P.chunk_ws.bytes(), s);
-  else
-    k::chunk_forward(in, P.kda_o_c.data(), nullptr, a.workspace.data(), a.workspace.bytes(), s);
+  chunk_forward_step(in, P.kda_o_c.data(), keep_chunk_forward_, P.chunk_ws, a.workspace, s);
   k::gated_rms_norm_sigmoid(P.kda_o_c.data(), kBf16, P.gate32.as<float>(), R * H, K, L.o_norm->f(),
                             float(c.rms_norm_eps), {P.o_c.data(), kBf16}, s);
 }
@@ -107,12 +103,7 @@ void KimiCudaModel::kda_backward(Layer& L, PerLayer& P, int64_t B, int64_t T) {
   grads.dbeta = a.db_c.data();
   grads.dA_log = a.dA.as<float>();
   grads.ddt_bias = a.ddt.as<float>();
-  if (keep_chunk_forward_)
-    k::chunk_backward(in, a.dko_c.data(), nullptr, grads, P.chunk_ws.data(), P.chunk_ws.bytes(), s,
-                      k::ChunkBackwardFrom::kept_forward);
-  else
-    k::chunk_backward(in, a.dko_c.data(), nullptr, grads, a.workspace.data(), a.workspace.bytes(),
-                      s);
+  chunk_backward_step(in, a.dko_c.data(), grads, keep_chunk_forward_, P.chunk_ws, a.workspace, s);
   k::add_inplace(L.A_log->g(), a.dA.as<float>(), H, s);  // the kernel overwrites; grads add up
   k::add_inplace(L.dt_bias->g(), a.ddt.as<float>(), HK, s);
   // the convolutions back to the q, k, v projections (dan written by the first, then added)

@@ -373,11 +373,8 @@ StepResult KimiCudaModel::forward_backward(const int32_t* inputs, const int32_t*
       const ops::DeltaRuleShape shape{
           packed ? 1 : B, packed ? R : T, c.kda_heads,        c.kda_heads,
           c.kda_head_dim, c.kda_head_dim, ops::Gate::channel, 0};
-      const size_t bytes = k::chunk_backward_workspace_bytes(shape, cu_seqlens_);
-      if (bytes > a.layers[li].chunk_ws.bytes()) {
-        check_cuda(cudaStreamSynchronize(s), "kimi_linear (cuda): chunk workspace");
-        a.layers[li].chunk_ws.resize(bytes);
-      }
+      reserve_chunk_workspace(a.layers[li].chunk_ws,
+                              k::chunk_backward_workspace_bytes(shape, cu_seqlens_), s);
     }
     keep_chunk_forward_ = keep;
   }

@@ -356,11 +356,7 @@ void LineageCudaModel::mixer_forward(Layer& L, int64_t l, int64_t B, int64_t T) 
     }
   }
   engines_->timer.mark(s, "f.mixer_prep");
-  if (keep_chunk_forward_)
-    k::chunk_forward_for_backward(in, P.o_c.data(), nullptr, P.chunk_ws.data(), P.chunk_ws.bytes(),
-                                  s);
-  else
-    k::chunk_forward(in, P.o_c.data(), nullptr, a.workspace.data(), a.workspace.bytes(), s);
+  chunk_forward_step(in, P.o_c.data(), keep_chunk_forward_, P.chunk_ws, a.workspace, s);
   engines_->timer.mark(s, "f.chunk");
 }
 
@@ -432,12 +428,7 @@ void LineageCudaModel::mixer_backward(Layer& L, int64_t l, int64_t B, int64_t T)
     grads.ddt_bias = a.ddt.as<float>();
   }
   engines_->timer.mark(s, "b.other");
-  if (keep_chunk_forward_)
-    k::chunk_backward(in, a.do_c.data(), nullptr, grads, P.chunk_ws.data(), P.chunk_ws.bytes(), s,
-                      k::ChunkBackwardFrom::kept_forward);
-  else
-    k::chunk_backward(in, a.do_c.data(), nullptr, grads, a.workspace.data(), a.workspace.bytes(),
-                      s);
+  chunk_backward_step(in, a.do_c.data(), grads, keep_chunk_forward_, P.chunk_ws, a.workspace, s);
   engines_->timer.mark(s, "b.chunk");
   if (kda) {  // the kernel overwrites; parameter gradients accumulate
     k::add_inplace(L.A_log->g(), a.dA.as<float>(), H, s);
@@ -543,13 +534,9 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
         workspace = std::max(workspace, k::chunk_forward_workspace_bytes(shape, cu_seqlens_));
         if (backward && !keep)  // one shared workspace; the backward recomputes
           workspace = std::max(workspace, k::chunk_backward_workspace_bytes(shape, cu_seqlens_));
-        if (backward && keep) {  // the layer's own, kept from its forward to its backward
-          const size_t bytes = k::chunk_backward_workspace_bytes(shape, cu_seqlens_);
-          if (bytes > a.layers[li].chunk_ws.bytes()) {
-            check_cuda(cudaStreamSynchronize(s), "lineage model (cuda): chunk workspace");
-            a.layers[li].chunk_ws.resize(bytes);
-          }
-        }
+        if (backward && keep)  // the layer's own, kept from its forward to its backward
+          reserve_chunk_workspace(a.layers[li].chunk_ws,
+                                  k::chunk_backward_workspace_bytes(shape, cu_seqlens_), s);
       }
     }
     if (workspace > a.workspace.bytes()) {

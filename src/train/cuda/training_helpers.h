@@ -10,6 +10,7 @@
 
 #include "model/cuda/gpt2_train_kernels.h"
 #include "ops/common/device_buffer.h"
+#include "ops/delta_rule/cuda/delta_rule_cuda.h"
 #include "ops/gemm/cuda/gemm_cuda.h"
 #include "ops/nn/cuda/train_cuda.h"
 #include "train/cuda/device_params.h"
@@ -37,6 +38,34 @@ inline bool keep_chunk_forward_for_backward() {
     return !(recompute && recompute[0] == '1');
   }();
   return keep;
+}
+
+// A layer's kept workspace grown to `bytes` (before anything of the step is queued: the stream
+// is synchronised first, since growing frees memory earlier work may still use).
+inline void reserve_chunk_workspace(k::DeviceBuffer& own, size_t bytes, cudaStream_t s) {
+  if (bytes <= own.bytes()) return;
+  k::check_cuda(cudaStreamSynchronize(s), "chunk workspace");
+  own.resize(bytes);
+}
+
+// One layer's chunked delta-rule forward and backward in a training step: through the layer's
+// own workspace, kept from forward to backward (`keep`), or through the shared one (the
+// backward recomputes the forward's arrays).
+inline void chunk_forward_step(const k::DeltaRuleDeviceInputs& in, void* o, bool keep,
+                               const k::DeviceBuffer& own, const k::DeviceBuffer& shared,
+                               cudaStream_t s) {
+  if (keep)
+    k::chunk_forward_for_backward(in, o, nullptr, own.data(), own.bytes(), s);
+  else
+    k::chunk_forward(in, o, nullptr, shared.data(), shared.bytes(), s);
+}
+inline void chunk_backward_step(const k::DeltaRuleDeviceInputs& in, const void* d_o,
+                                const k::DeltaRuleDeviceGrads& grads, bool keep,
+                                const k::DeviceBuffer& own, const k::DeviceBuffer& shared,
+                                cudaStream_t s) {
+  const k::DeviceBuffer& ws = keep ? own : shared;
+  k::chunk_backward(in, d_o, nullptr, grads, ws.data(), ws.bytes(), s,
+                    keep ? k::ChunkBackwardFrom::kept_forward : k::ChunkBackwardFrom::recompute);
 }
 
 inline void copy_device(void* to, const void* from, size_t bytes, cudaStream_t s) {
