@@ -294,6 +294,12 @@ const char* gate_name(Gate g) {
   return g == Gate::channel ? "kda" : g == Gate::scalar ? "gdn" : "delta";
 }
 
+// " lean-state" in the names of checks run with KDA_STATE_LEAN=1 (chunk_state's lean layout)
+const char* lean_state_tag() {
+  const char* lean = std::getenv("KDA_STATE_LEAN");
+  return lean && lean[0] == '1' ? " lean-state" : "";
+}
+
 void check_forward(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V,
                    std::vector<int64_t> cu, bool with_h0, ElementType t, bool recurrent,
                    uint64_t seed, bool strong = false) {
@@ -305,11 +311,11 @@ void check_forward(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV, int64
                 in.g.empty() ? std::vector<double>{} : u.g.rounded, u.beta.rounded, u.h0_rounded);
   const ForwardResult got = run_forward(in, u, t, recurrent);
   char name[160];
-  std::snprintf(name, sizeof name, "%s %s %s B%lld T%lld H%lld HV%lld K%lld V%lld%s%s%s",
+  std::snprintf(name, sizeof name, "%s %s %s B%lld T%lld H%lld HV%lld K%lld V%lld%s%s%s%s",
                 recurrent ? "recurrent" : "chunk", gate_name(gate),
                 t == ElementType::bf16 ? "bf16" : "fp32", (long long)B, (long long)T, (long long)H,
                 (long long)HV, (long long)K, (long long)V, cu.empty() ? "" : " varlen",
-                with_h0 ? " h0" : "", strong ? " strong-g" : "");
+                with_h0 ? " h0" : "", strong ? " strong-g" : "", lean_state_tag());
   const double tol = t == ElementType::bf16 ? 5e-3 : 1e-4;
   report(name, "o", rel_rms(got.o, ref.o), tol);
   report(name, "ht", rel_rms(got.ht, ref.ht), tol);
@@ -557,10 +563,11 @@ void check_kda_layer(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int
   cuda::chunk_forward(d, o.ptr, ht.as<float>(), ws.ptr, ws_bytes, nullptr);
   ck(cudaDeviceSynchronize(), "kda layer forward");
   char name[160];
-  std::snprintf(name, sizeof name, "chunk kda-layer %s%s B%lld T%lld H%lld HV%lld K%lld V%lld%s%s",
+  std::snprintf(name, sizeof name,
+                "chunk kda-layer %s%s B%lld T%lld H%lld HV%lld K%lld V%lld%s%s%s",
                 gate == KdaGate::softplus ? "softplus" : "lower-bound", l2norm ? " l2norm" : "",
                 (long long)B, (long long)T, (long long)H, (long long)HV, (long long)K, (long long)V,
-                cu.empty() ? "" : " varlen", with_h0 ? " h0" : "");
+                cu.empty() ? "" : " varlen", with_h0 ? " h0" : "", lean_state_tag());
   report(name, "o", rel_rms(download(o.ptr, in.tokens * HV * V, bf), ref_o), 5e-3);
   report(name, "ht", rel_rms(download(ht.ptr, in.N * HV * K * V, ElementType::f32), ref_ht), 5e-3);
 }
@@ -911,6 +918,15 @@ void run_checks() {
   // here with sequences of different lengths (one of 1 token) and an initial state
   for (Gate gate : {Gate::channel, Gate::scalar})
     check_forward(gate, 1, 4200, 2, 4, 128, 128, {0, 2100, 2101, 4200}, true, bf, false, ++seed);
+  // the same with the lean state layout (KDA_STATE_LEAN=1: one Kd / M buffer, U in registers)
+  setenv("KDA_STATE_LEAN", "1", 1);
+  for (Gate gate : {Gate::channel, Gate::scalar}) {
+    check_forward(gate, 1, 4200, 2, 4, 128, 128, {0, 2100, 2101, 4200}, true, bf, false, ++seed);
+    check_forward(gate, 1, 2047, 1, 2, 64, 64, {}, true, bf, false, ++seed);
+  }
+  check_kda_layer(1, 4200, 2, 4, 128, 128, {0, 2100, 2101, 4200}, true, true, KdaGate::lower_bound,
+                  ++seed);
+  unsetenv("KDA_STATE_LEAN");
   // KDA layer options in the kernel
   check_kda_layer(2, 130, 2, 4, 128, 128, {}, true, true, KdaGate::lower_bound, ++seed);
   check_kda_layer(1, 521, 2, 4, 128, 128, varlen, false, true, KdaGate::lower_bound, ++seed);
@@ -945,6 +961,9 @@ void run_small() {
   // the pipelined forward (32 chunks: 8 pieces), KDA and the Gated DeltaNet raw q / k path
   check_forward(Gate::channel, 1, 2048, 1, 1, 64, 64, {}, true, ElementType::bf16, false, 13);
   check_forward(Gate::scalar, 1, 2048, 1, 1, 64, 64, {}, true, ElementType::bf16, false, 14);
+  setenv("KDA_STATE_LEAN", "1", 1);  // and with the lean state layout
+  check_forward(Gate::channel, 1, 2048, 1, 1, 128, 128, {}, true, ElementType::bf16, false, 19);
+  unsetenv("KDA_STATE_LEAN");
   // two-tile state blocks (2 x 30 heads x 2 >= 0.9 x 132 SMs): the Gated DeltaNet raw path
   check_forward(Gate::scalar, 2, 70, 15, 30, 128, 128, {}, true, ElementType::bf16, false, 15);
 }
@@ -1170,6 +1189,20 @@ void run_bench(const std::string& out_path) {
       std::fflush(stdout);
       out << "chunk_fwd_" << gate_name(gate) << "\t" << sh.B << "x" << sh.T << "\t" << ms << "\t"
           << floor_ms << "\n";
+      // one long sequence (the pipelined forward): the lean state layout beside it, to decide
+      // whether it becomes the default there (two prepare blocks beside each state block)
+      auto time_lean = [&](auto&& fn, const char* what) {
+        setenv("KDA_STATE_LEAN", "1", 1);
+        const double lean_ms = timer.median_ms(fn, 3, 15);
+        setenv("KDA_CHUNK_STAGES", "state", 1);
+        const double lean_state_ms = timer.median_ms(fn, 2, 10);
+        unsetenv("KDA_CHUNK_STAGES");
+        unsetenv("KDA_STATE_LEAN");
+        std::printf("BENCH chunk_fwd %s %lldx%lld lean-state: %.3f ms (state alone %.3f)\n", what,
+                    (long long)sh.B, (long long)sh.T, lean_ms, lean_state_ms);
+        std::fflush(stdout);
+      };
+      if (sh.B == 1) time_lean(call, gate_name(gate));
       // the KDA layer's in-kernel options (as fla's anchor: l2norm q / k, the lower-bound
       // gate from graw with A_log and dt_bias, sigmoid(braw)); the same tensors as raw inputs
       DeviceBuffer A_dev(H * 4), dt_dev(H * K * 4);
@@ -1207,6 +1240,7 @@ void run_bench(const std::string& out_path) {
         std::fflush(stdout);
         out << "chunk_fwd_kda_layer\t" << sh.B << "x" << sh.T << "\t" << layer_ms << "\t"
             << floor_ms << "\n";
+        if (sh.B == 1) time_lean(layer_call, "kda-layer");
       }
 
       // Forward + backward (as a training step: o and ht, then every gradient from do and dht).

@@ -136,6 +136,10 @@ void chunk_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void* wo
   // Kernel-lab knob: KDA_GDN_RAW=0 keeps Qt / Kd in the workspace for Gated DeltaNet too.
   if (const char* raw = std::getenv("KDA_GDN_RAW")) ws.raw_qk = ws.raw_qk && raw[0] != '0';
 
+  // Kernel-lab knob: KDA_STATE_LEAN=1 runs one-tile state blocks in the lean layout (the
+  // pipelined forward's candidate: two prepare blocks beside each state block); off until timed.
+  if (const char* lean = std::getenv("KDA_STATE_LEAN"))
+    ws.lean_state = lean[0] == '1' && !chunk_state_wide(N, int(s.HV), int(s.V));
   const ChunkTokens x = chunk_tokens(in, layer, o, ht);
   // Kernel-lab knob: KDA_CHUNK_STAGES=prepare|state runs one stage alone (for timing only;
   // the output is then incomplete). Unset in normal use.
