@@ -1,14 +1,15 @@
 // kda_gpu_train: the lineage model trained on the GPU (train/cuda/lineage_cuda_model.h) against
 // the CPU LineageModel (fp32, the reference), then its training throughput.
 //
-//   kda_gpu_train [--check] [--bench] [--profile] [--kimi] [--bench-2k]
+//   kda_gpu_train [--check] [--bench] [--profile] [--kimi] [--bench-2k] [--profile-recall]
 //
 // Checks print "CHECK <name> <PASS|FAIL> rel=<x> tol=<y>": the loss and every parameter's
 // gradient for each mixer kind (B rows of T tokens and packed documents), a few AdamW steps
 // against the host optimizer, a short MQAR run whose loss must fall, GPT-2 behind the trainer's
 // face, and Kimi Linear on the GPU against the CPU one (kimi_train_check.cpp; --kimi: those
 // alone). --bench-2k: the two 125M models at 8 x 2048 only; --profile: the same, stage by
-// stage. Benchmarks print
+// stage; --profile-recall: the recall benchmark's 2-layer models (softmax, KDA) at 32 x 256 and
+// 32 x 2048, stage by stage. Benchmarks print
 // "BENCH lineage_train <fields>": tokens/s and MFU of ~125M-parameter models (12 layers, width
 // 768) as all-softmax and as the 3:1 KDA hybrid, at 2K and 16K context. Exit status 1 if any
 // check fails.
@@ -347,6 +348,7 @@ void bench(const std::string& name, const std::string& pattern, int64_t B, int64
 
 int main(int argc, char** argv) {
   bool check = false, bench_on = false, profile = false, kimi_only = false, bench_2k = false;
+  bool profile_recall = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--check"))
       check = true;
@@ -358,13 +360,16 @@ int main(int argc, char** argv) {
       kimi_only = true;
     else if (!std::strcmp(argv[i], "--bench-2k"))  // the 125M models at 8 x 2048 alone
       bench_2k = true;
+    else if (!std::strcmp(argv[i], "--profile-recall"))  // the recall cells, stage by stage
+      profile_recall = true;
     else {
       std::fprintf(stderr,
-                   "usage: kda_gpu_train [--check] [--bench] [--profile] [--kimi] [--bench-2k]\n");
+                   "usage: kda_gpu_train [--check] [--bench] [--profile] [--kimi] [--bench-2k] "
+                   "[--profile-recall]\n");
       return 2;
     }
   }
-  if (!check && !bench_on && !profile && !kimi_only && !bench_2k) check = true;
+  if (!check && !bench_on && !profile && !kimi_only && !bench_2k && !profile_recall) check = true;
   try {
     if (check) {
       for (const char* pattern : {"AA", "LL", "KK", "GG", "DD", "KKKA", "KM", "KKKM"})
@@ -385,6 +390,10 @@ int main(int argc, char** argv) {
     if (profile) {  // one softmax and one hybrid step, stage by stage (KDA_CUDA_PROFILE)
       bench("softmax", "AAAAAAAAAAAA", 8, 2048, false, true);
       bench("kda_hybrid", "KKKAKKKAKKKA", 8, 2048, false, true);
+    }
+    if (profile_recall) {  // where a step of the recall benchmark's small models goes
+      for (int64_t T : {256, 2048})
+        for (const char* p : {"AA", "KK"}) bench(std::string("recall ") + p, p, 32, T, true, true);
     }
     if (bench_on) {
       bench("softmax", "AAAAAAAAAAAA", 1, 16384);
