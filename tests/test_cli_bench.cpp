@@ -152,6 +152,58 @@ TEST(CliBench, RecallContinueReusesFinishedRuns) {
   EXPECT_EQ(runs.size(), 4u);  // 2 with 3 steps, 2 with 4
 }
 
+// --shard I/N: N calls over the same runs file split the missing runs between them, each run
+// in exactly one shard; --no-train reports the merged file without training, and a cell with
+// no run yet shows "-" (and is left out of recall.json).
+TEST(CliBench, RecallShardsSplitTheGridAndNoTrainReports) {
+  const auto out = kOut / "recall_shards";
+  std::filesystem::remove_all(out);
+  const std::string grid =
+      "bench recall --quick --steps 2 --lengths 16,32 --mixers delta,kda --tasks mqar,stack "
+      "--lrs 3e-3";
+  std::set<std::string> seen;
+  std::string merged;
+  for (int i = 0; i < 3; ++i) {
+    const auto dir = out / ("shard" + std::to_string(i));
+    const CommandResult r =
+        run(grid + " --continue --shard " + std::to_string(i) + "/3 --out " + dir.string());
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find("of the 8 missing runs (shard " + std::to_string(i) + " of 3)"),
+              std::string::npos)
+        << r.output;
+    const auto runs = read_runs(dir / "recall_runs.jsonl");
+    EXPECT_GE(runs.size(), 2u);  // 8 runs over 3 shards, dealt by length: 3 / 3 / 2
+    EXPECT_LE(runs.size(), 3u);
+    for (const auto& one : runs) {
+      const std::string key = one["mixer"].get<std::string>() + "/" +
+                              one["task"].get<std::string>() + "/" +
+                              std::to_string(one["seq_len"].get<int64_t>());
+      EXPECT_TRUE(seen.insert(key).second) << key << " trained by two shards";
+      merged += one.dump() + "\n";
+    }
+  }
+  EXPECT_EQ(seen.size(), 8u);
+  std::filesystem::create_directories(out / "all");
+  {
+    std::ofstream f(out / "all" / "recall_runs.jsonl");
+    f << merged;
+  }
+  const CommandResult report = run(grid + " --no-train --out " + (out / "all").string());
+  ASSERT_EQ(report.status, 0) << report.output;
+  EXPECT_NE(report.output.find("reusing 8 finished runs"), std::string::npos) << report.output;
+  EXPECT_EQ(report.output.find(" seed 17 acc"), std::string::npos) << report.output;
+  EXPECT_EQ(nlohmann::json::parse(slurp(out / "all" / "recall.json")).size(), 4u * 2u);
+  // one shard's file alone: the other shards' cells are missing, shown as "-"
+  const CommandResult part = run(grid + " --no-train --out " + (out / "shard2").string());
+  ASSERT_EQ(part.status, 0) << part.output;
+  EXPECT_NE(part.output.find("training 0 of the"), std::string::npos) << part.output;
+  const auto partial = nlohmann::json::parse(slurp(out / "shard2" / "recall.json"));
+  EXPECT_EQ(partial.size(), read_runs(out / "shard2" / "recall_runs.jsonl").size());
+  EXPECT_NE(slurp(out / "shard2" / "recall.md").find("| - |"), std::string::npos);
+  EXPECT_EQ(run(grid + " --shard 3/3").status, 1);
+  EXPECT_EQ(run(grid + " --shard 1").status, 1);
+}
+
 TEST(CliBench, VerifyPassesTheFixturesAndFailsABrokenFile) {
   const std::string ops = std::string(KDA_SHARED_DIR) + "/fixtures/ops";
   const CommandResult good = run("verify " + ops);

@@ -294,6 +294,29 @@ const char* gate_name(Gate g) {
   return g == Gate::channel ? "kda" : g == Gate::scalar ? "gdn" : "delta";
 }
 
+// Sets an environment variable (a kernel-lab knob) for its lifetime, then restores what the
+// caller had: a knob exported for the whole run stays in force around the checks that set it.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_)
+      setenv(name_, old_.c_str(), 1);
+    else
+      unsetenv(name_);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::string old_;
+  bool had_ = false;
+};
+
 // " lean-state" in the names of checks run with KDA_STATE_LEAN=1 (chunk_state's lean layout)
 const char* lean_state_tag() {
   const char* lean = std::getenv("KDA_STATE_LEAN");
@@ -319,6 +342,34 @@ void check_forward(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV, int64
   const double tol = t == ElementType::bf16 ? 5e-3 : 1e-4;
   report(name, "o", rel_rms(got.o, ref.o), tol);
   report(name, "ht", rel_rms(got.ht, ref.ht), tol);
+}
+
+// chunk_state's lean layout (KDA_STATE_LEAN=1) computes the same products in the same order as
+// the default one-tile layout: o and ht must agree bit for bit (reported as the fraction of
+// elements that differ, tolerance 0).
+void check_lean_state_bits(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K,
+                           int64_t V, std::vector<int64_t> cu, uint64_t seed) {
+  DeltaRuleShape s{B, T, H, HV, K, V, gate, 0};
+  const Inputs in = make_inputs(s, cu, true, seed);
+  const Uploaded u = upload_all(in, ElementType::bf16);
+  const ForwardResult plain = run_forward(in, u, ElementType::bf16, false);
+  ForwardResult lean;
+  {
+    ScopedEnv knob("KDA_STATE_LEAN", "1");
+    lean = run_forward(in, u, ElementType::bf16, false);
+  }
+  auto differing = [](const std::vector<double>& a, const std::vector<double>& b) {
+    size_t n = 0;
+    for (size_t i = 0; i < a.size(); ++i) n += !(a[i] == b[i]);  // NaN differs
+    return a.empty() ? 1.0 : double(n) / double(a.size());
+  };
+  char name[160];
+  std::snprintf(name, sizeof name,
+                "lean-state vs default %s B%lld T%lld H%lld HV%lld K%lld V%lld%s", gate_name(gate),
+                (long long)B, (long long)T, (long long)H, (long long)HV, (long long)K, (long long)V,
+                cu.empty() ? "" : " varlen");
+  report(name, "o", differing(lean.o, plain.o), 0);
+  report(name, "ht", differing(lean.ht, plain.ht), 0);
 }
 
 // Backward: GPU (bf16) against the CPU fp32 chunked backward on the same rounded inputs.
@@ -918,15 +969,23 @@ void run_checks() {
   // here with sequences of different lengths (one of 1 token) and an initial state
   for (Gate gate : {Gate::channel, Gate::scalar})
     check_forward(gate, 1, 4200, 2, 4, 128, 128, {0, 2100, 2101, 4200}, true, bf, false, ++seed);
-  // the same with the lean state layout (KDA_STATE_LEAN=1: one Kd / M buffer, U in registers)
-  setenv("KDA_STATE_LEAN", "1", 1);
-  for (Gate gate : {Gate::channel, Gate::scalar}) {
-    check_forward(gate, 1, 4200, 2, 4, 128, 128, {0, 2100, 2101, 4200}, true, bf, false, ++seed);
-    check_forward(gate, 1, 2047, 1, 2, 64, 64, {}, true, bf, false, ++seed);
+  // the same with the lean state layout (KDA_STATE_LEAN=1: one Kd / M buffer, U in registers):
+  // against the reference, and bit for bit against the default layout; fixed seeds, so that
+  // the inputs of the checks below stay as they were
+  {
+    ScopedEnv knob("KDA_STATE_LEAN", "1");
+    for (Gate gate : {Gate::channel, Gate::scalar}) {
+      check_forward(gate, 1, 4200, 2, 4, 128, 128, {0, 2100, 2101, 4200}, true, bf, false, 901);
+      check_forward(gate, 1, 2047, 1, 2, 64, 64, {}, true, bf, false, 902);
+    }
+    check_kda_layer(1, 4200, 2, 4, 128, 128, {0, 2100, 2101, 4200}, true, true,
+                    KdaGate::lower_bound, 903);
   }
-  check_kda_layer(1, 4200, 2, 4, 128, 128, {0, 2100, 2101, 4200}, true, true, KdaGate::lower_bound,
-                  ++seed);
-  unsetenv("KDA_STATE_LEAN");
+  for (Gate gate : {Gate::channel, Gate::scalar}) {
+    check_lean_state_bits(gate, 1, 4200, 2, 4, 128, 128, {0, 2100, 2101, 4200}, 904);
+    check_lean_state_bits(gate, 1, 2100, 1, 2, 128, 64, {}, 905);
+    check_lean_state_bits(gate, 1, 2100, 1, 2, 64, 128, {}, 906);
+  }
   // KDA layer options in the kernel
   check_kda_layer(2, 130, 2, 4, 128, 128, {}, true, true, KdaGate::lower_bound, ++seed);
   check_kda_layer(1, 521, 2, 4, 128, 128, varlen, false, true, KdaGate::lower_bound, ++seed);
@@ -961,9 +1020,10 @@ void run_small() {
   // the pipelined forward (32 chunks: 8 pieces), KDA and the Gated DeltaNet raw q / k path
   check_forward(Gate::channel, 1, 2048, 1, 1, 64, 64, {}, true, ElementType::bf16, false, 13);
   check_forward(Gate::scalar, 1, 2048, 1, 1, 64, 64, {}, true, ElementType::bf16, false, 14);
-  setenv("KDA_STATE_LEAN", "1", 1);  // and with the lean state layout
-  check_forward(Gate::channel, 1, 2048, 1, 1, 128, 128, {}, true, ElementType::bf16, false, 19);
-  unsetenv("KDA_STATE_LEAN");
+  {  // and with the lean state layout
+    ScopedEnv knob("KDA_STATE_LEAN", "1");
+    check_forward(Gate::channel, 1, 2048, 1, 1, 128, 128, {}, true, ElementType::bf16, false, 19);
+  }
   // two-tile state blocks (2 x 30 heads x 2 >= 0.9 x 132 SMs): the Gated DeltaNet raw path
   check_forward(Gate::scalar, 2, 70, 15, 30, 128, 128, {}, true, ElementType::bf16, false, 15);
 }
@@ -1191,18 +1251,16 @@ void run_bench(const std::string& out_path) {
           << floor_ms << "\n";
       // one long sequence (the pipelined forward): the lean state layout beside it, to decide
       // whether it becomes the default there (two prepare blocks beside each state block)
-      auto time_lean = [&](auto&& fn, const char* what) {
-        setenv("KDA_STATE_LEAN", "1", 1);
-        const double lean_ms = timer.median_ms(fn, 3, 15);
+      if (sh.B == 1) {
+        ScopedEnv knob("KDA_STATE_LEAN", "1");
+        const double lean_ms = timer.median_ms(call, 3, 15);
         setenv("KDA_CHUNK_STAGES", "state", 1);
-        const double lean_state_ms = timer.median_ms(fn, 2, 10);
+        const double lean_state_ms = timer.median_ms(call, 2, 10);
         unsetenv("KDA_CHUNK_STAGES");
-        unsetenv("KDA_STATE_LEAN");
-        std::printf("BENCH chunk_fwd %s %lldx%lld lean-state: %.3f ms (state alone %.3f)\n", what,
-                    (long long)sh.B, (long long)sh.T, lean_ms, lean_state_ms);
+        std::printf("BENCH chunk_fwd %s %lldx%lld lean-state: %.3f ms (state alone %.3f)\n",
+                    gate_name(gate), (long long)sh.B, (long long)sh.T, lean_ms, lean_state_ms);
         std::fflush(stdout);
-      };
-      if (sh.B == 1) time_lean(call, gate_name(gate));
+      }
       // the KDA layer's in-kernel options (as fla's anchor: l2norm q / k, the lower-bound
       // gate from graw with A_log and dt_bias, sigmoid(braw)); the same tensors as raw inputs
       DeviceBuffer A_dev(H * 4), dt_dev(H * K * 4);
@@ -1240,7 +1298,12 @@ void run_bench(const std::string& out_path) {
         std::fflush(stdout);
         out << "chunk_fwd_kda_layer\t" << sh.B << "x" << sh.T << "\t" << layer_ms << "\t"
             << floor_ms << "\n";
-        if (sh.B == 1) time_lean(layer_call, "kda-layer");
+        if (sh.B == 1) {  // (the state walk is the plain row's: only the pipelined time)
+          ScopedEnv knob("KDA_STATE_LEAN", "1");
+          std::printf("BENCH chunk_fwd kda-layer %lldx%lld lean-state: %.3f ms\n", (long long)sh.B,
+                      (long long)sh.T, timer.median_ms(layer_call, 3, 15));
+          std::fflush(stdout);
+        }
       }
 
       // Forward + backward (as a training step: o and ht, then every gradient from do and dht).

@@ -43,7 +43,8 @@ void print_usage() {
       "                        [--mixers softmax,kda,...] [--tasks mqar,palindrome,stack]\n"
       "                        [--lrs 5e-4,1e-3,3e-3] [--jobs N] [--out DIR] [--batch 32]\n"
       "                        [--device cpu|cuda] [--kda-gate softplus|bounded] [--vocab V]\n"
-      "                        [--gate-dt-max 0.1] [--seeds 1] [--continue]\n"
+      "                        [--gate-dt-max 0.1] [--seeds 1] [--continue] [--no-train]\n"
+      "                        [--shard I/N]\n"
       "\n"
       "Trains 2-layer models (2 heads, equal width across mixers) of each kind: softmax, linear,\n"
       "delta, gated_delta, kda and the kda+softmax hybrid, on MQAR (length/8 key-value pairs),\n"
@@ -61,7 +62,12 @@ void print_usage() {
       "them at the learning rate with the best mean, shown with its min-max; MQAR is learned in\n"
       "a sudden transition, so one seed cannot rank mixers near it.\n"
       "--device cuda trains every cell on the GPU; --jobs N then runs N cells at once on the\n"
-      "one GPU, each on its own stream.");
+      "one GPU, each on its own stream.\n"
+      "--shard I/N trains only shard I (0-based) of N of the runs still missing: the runs are\n"
+      "dealt longest first to the least loaded shard (cost: tokens a step), the same way in\n"
+      "every call that reads the same runs file, so N processes (one a GPU,\n"
+      "scripts/recall_grid.sh) split a grid between them. --no-train trains nothing and\n"
+      "reports the runs DIR's recall_runs.jsonl holds (cells without one show '-').");
 }
 
 std::vector<std::string> split(const std::string& text) {
@@ -126,7 +132,8 @@ std::string svg_plot(const std::vector<std::string>& tasks, const std::vector<in
 }  // namespace
 
 int cmd_bench_recall(const Args& args) {
-  bool quick = false, continue_runs = false;
+  bool quick = false, continue_runs = false, no_train = false;
+  int64_t shard = 0, shards = 1;
   int64_t steps = 0;
   std::vector<int64_t> lengths;
   std::vector<std::string> task_names = {"mqar", "palindrome", "stack"};
@@ -148,6 +155,10 @@ int cmd_bench_recall(const Args& args) {
     }
     if (a == "--continue") {
       continue_runs = true;
+      continue;
+    }
+    if (a == "--no-train") {
+      continue_runs = no_train = true;
       continue;
     }
     const std::string value = flag_value(args, i);
@@ -173,7 +184,14 @@ int cmd_bench_recall(const Args& args) {
       vocab_option = parse_int(value, a);
     else if (a == "--gate-dt-max")
       gate_dt_max = std::stof(value);
-    else if (a == "--lrs") {
+    else if (a == "--shard") {
+      const size_t slash = value.find('/');
+      require(slash != std::string::npos, "bench recall: --shard takes I/N, e.g. 0/8");
+      shard = parse_int(value.substr(0, slash), a);
+      shards = parse_int(value.substr(slash + 1), a);
+      require(shards >= 1 && shard >= 0 && shard < shards,
+              "bench recall: --shard I/N needs 0 <= I < N");
+    } else if (a == "--lrs") {
       for (const std::string& item : split(value)) {
         try {
           lrs.push_back(std::stof(item));
@@ -232,7 +250,8 @@ int cmd_bench_recall(const Args& args) {
     float lr;
     uint64_t seed;
     train::RecallResult result;
-    bool done = false;  // reused from an earlier call (--continue)
+    bool done = false;     // reused from an earlier call (--continue), or trained in this one
+    bool skipped = false;  // another shard's (--shard), or --no-train
   };
   std::vector<Cell> cells;
   for (const std::string& task : task_names)
@@ -267,6 +286,30 @@ int cmd_bench_recall(const Args& args) {
     }
     std::printf("reusing %zu finished runs of %s\n", reused, runs_path.c_str());
   }
+  // The runs to train, longest first (the sequence length stands for a step's cost, plus a
+  // fixed share for the launches of a step): with --jobs the long runs start early, and
+  // --shard deals them to the least loaded shard in this order (ties by grid order).
+  std::vector<size_t> pending;
+  for (size_t i = 0; i < cells.size(); ++i)
+    if (!cells[i].done) pending.push_back(i);
+  std::stable_sort(pending.begin(), pending.end(),
+                   [&](size_t a, size_t b) { return cells[a].T > cells[b].T; });
+  std::vector<int64_t> shard_load(size_t(shards), 0);
+  std::vector<size_t> order;  // this call's runs, in training order
+  for (size_t i : pending) {
+    const size_t to =
+        size_t(std::min_element(shard_load.begin(), shard_load.end()) - shard_load.begin());
+    shard_load[to] += cells[i].T + 256;
+    if (int64_t(to) == shard && !no_train)
+      order.push_back(i);
+    else
+      cells[i].skipped = true;
+  }
+  if (shards > 1 || no_train) {
+    std::printf("training %zu of the %zu missing runs", order.size(), pending.size());
+    if (shards > 1) std::printf(" (shard %lld of %lld)", (long long)shard, (long long)shards);
+    std::printf("\n");
+  }
   bool cut_line = false;  // the file ends inside a line: start ours on a fresh one
   if (continue_runs && std::filesystem::exists(runs_path) &&
       std::filesystem::file_size(runs_path) > 0) {
@@ -283,9 +326,8 @@ int cmd_bench_recall(const Args& args) {
   std::exception_ptr failure;
   auto worker = [&](bool single_threaded) {
     if (single_threaded) omp_set_num_threads(1);
-    for (size_t i = next++; i < cells.size(); i = next++) {
-      Cell& c = cells[i];
-      if (c.done) continue;
+    for (size_t k = next++; k < order.size(); k = next++) {
+      Cell& c = cells[order[k]];
       train::RecallRun run;
       run.model = {vocab, 2 * head_dim, 2, head_dim, 4 * head_dim, c.mixer.pattern};
       run.model.kda_gate = kda_gate;
@@ -302,10 +344,11 @@ int cmd_bench_recall(const Args& args) {
       } catch (...) {  // stop every worker; the first error is rethrown after the join
         std::lock_guard<std::mutex> lock(print_mutex);
         if (!failure) failure = std::current_exception();
-        next = cells.size();
+        next = order.size();
         return;
       }
       std::lock_guard<std::mutex> lock(print_mutex);
+      c.done = true;
       const nlohmann::json line = {{"mixer", c.mixer.name},
                                    {"task", c.task},
                                    {"seq_len", c.T},
@@ -350,8 +393,10 @@ int cmd_bench_recall(const Args& args) {
           Summary here;
           here.lr = lr;
           for (const Cell& c : cells)
-            if (c.task == task && c.T == T && c.mixer.name == m.name && c.lr == lr)
+            if (c.done && c.task == task && c.T == T && c.mixer.name == m.name && c.lr == lr)
               here.per_seed.push_back(c.result.accuracy);
+          by_lr[key + "/" + std::to_string(li)] = here;
+          if (here.per_seed.empty()) continue;  // not trained yet (--shard, --no-train)
           double sum = 0;
           for (double a : here.per_seed) sum += a;
           here.mean = sum / double(here.per_seed.size());
@@ -360,6 +405,7 @@ int cmd_bench_recall(const Args& args) {
           by_lr[key + "/" + std::to_string(li)] = here;
           if (here.mean > top.mean) top = here;
         }
+        if (top.per_seed.empty()) continue;  // no run of this cell at any learning rate
         best_mean[key] = top.mean;
         results.push_back({{"mixer", m.name},
                            {"task", task},
@@ -374,6 +420,7 @@ int cmd_bench_recall(const Args& args) {
   for (const std::string& task : task_names)
     for (int64_t T : lengths) header.push_back(task + " " + std::to_string(T));
   const auto cell_text = [&](const Summary& c) {
+    if (c.per_seed.empty()) return std::string("-");
     std::string text = fmt(100 * c.mean, 1) + "%";
     if (seeds > 1) text += " (" + fmt(100 * c.min, 1) + "-" + fmt(100 * c.max, 1) + ")";
     return text;

@@ -384,7 +384,8 @@ void launch(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, cu
     check_cuda(cudaFuncSetAttribute(chunk_state_kernel<K, V, NT, RAW, LEAN>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::total)),
                "chunk_state shared memory limit");
-    // two blocks per SM need 2 x 106 KB (NT = 2) or 2 x 110 KB (NT = 1): all of L1 as smem
+    // two blocks per SM need 2 x 106 KB (NT = 2) or 2 x 110 KB (NT = 1), and a lean block
+    // beside two prepare blocks 76 + 2 x 74 KB: all of L1 as shared memory
     check_cuda(cudaFuncSetAttribute(chunk_state_kernel<K, V, NT, RAW, LEAN>,
                                     cudaFuncAttributePreferredSharedMemoryCarveout,
                                     int(cudaSharedmemCarveoutMaxShared)),
