@@ -309,6 +309,7 @@ int cmd_bench_recall(const Args& args) {
     std::printf("training %zu of the %zu missing runs", order.size(), pending.size());
     if (shards > 1) std::printf(" (shard %lld of %lld)", (long long)shard, (long long)shards);
     std::printf("\n");
+    std::fflush(stdout);  // (a shard's log is a file: show the line before the hours of training)
   }
   bool cut_line = false;  // the file ends inside a line: start ours on a fresh one
   if (continue_runs && std::filesystem::exists(runs_path) &&
