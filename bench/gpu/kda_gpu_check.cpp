@@ -317,10 +317,16 @@ class ScopedEnv {
   bool had_ = false;
 };
 
-// " lean-state" in the names of checks run with KDA_STATE_LEAN=1 (chunk_state's lean layout)
-const char* lean_state_tag() {
+// The kernel-lab knobs a check runs under, for its name (" lean-state", " pipeline-forced",
+// " state-nt=1"): empty when none is set.
+std::string knob_tags() {
+  std::string tags;
   const char* lean = std::getenv("KDA_STATE_LEAN");
-  return lean && lean[0] == '1' ? " lean-state" : "";
+  if (lean && lean[0] == '1') tags += " lean-state";
+  const char* pipeline = std::getenv("KDA_PIPELINE");
+  if (pipeline && pipeline[0] == '2') tags += " pipeline-forced";
+  if (const char* nt = std::getenv("KDA_STATE_NT")) tags += std::string(" state-nt=") + nt;
+  return tags;
 }
 
 void check_forward(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V,
@@ -338,7 +344,7 @@ void check_forward(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV, int64
                 recurrent ? "recurrent" : "chunk", gate_name(gate),
                 t == ElementType::bf16 ? "bf16" : "fp32", (long long)B, (long long)T, (long long)H,
                 (long long)HV, (long long)K, (long long)V, cu.empty() ? "" : " varlen",
-                with_h0 ? " h0" : "", strong ? " strong-g" : "", lean_state_tag());
+                with_h0 ? " h0" : "", strong ? " strong-g" : "", knob_tags().c_str());
   const double tol = t == ElementType::bf16 ? 5e-3 : 1e-4;
   report(name, "o", rel_rms(got.o, ref.o), tol);
   report(name, "ht", rel_rms(got.ht, ref.ht), tol);
@@ -618,7 +624,7 @@ void check_kda_layer(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int
                 "chunk kda-layer %s%s B%lld T%lld H%lld HV%lld K%lld V%lld%s%s%s",
                 gate == KdaGate::softplus ? "softplus" : "lower-bound", l2norm ? " l2norm" : "",
                 (long long)B, (long long)T, (long long)H, (long long)HV, (long long)K, (long long)V,
-                cu.empty() ? "" : " varlen", with_h0 ? " h0" : "", lean_state_tag());
+                cu.empty() ? "" : " varlen", with_h0 ? " h0" : "", knob_tags().c_str());
   report(name, "o", rel_rms(download(o.ptr, in.tokens * HV * V, bf), ref_o), 5e-3);
   report(name, "ht", rel_rms(download(ht.ptr, in.N * HV * K * V, ElementType::f32), ref_ht), 5e-3);
 }
@@ -980,6 +986,16 @@ void run_checks() {
     }
     check_kda_layer(1, 4200, 2, 4, 128, 128, {0, 2100, 2101, 4200}, true, true,
                     KdaGate::lower_bound, 903);
+  }
+  // the pipeline forced onto batch grids (KDA_PIPELINE=2, 4 pieces of 4 chunks): two-tile state
+  // blocks (the Gated DeltaNet raw path among them), and one-tile lean blocks (the experiment
+  // of GPU_NOTES "What is left" item 5 on batches)
+  {
+    ScopedEnv forced("KDA_PIPELINE", "2"), pieces("KDA_PIPELINE_PIECES", "4");
+    for (Gate gate : {Gate::channel, Gate::scalar})
+      check_forward(gate, 3, 1024, 11, 22, 128, 128, {}, true, bf, false, 907);
+    ScopedEnv one_tile("KDA_STATE_NT", "1"), lean("KDA_STATE_LEAN", "1");
+    check_forward(Gate::channel, 3, 1024, 11, 22, 128, 128, {}, true, bf, false, 908);
   }
   for (Gate gate : {Gate::channel, Gate::scalar}) {
     check_lean_state_bits(gate, 1, 4200, 2, 4, 128, 128, {0, 2100, 2101, 4200}, 904);

@@ -27,11 +27,19 @@ namespace {
 // piece ahead on a low-priority stream, state follows piece by piece on a high-priority one,
 // the state between pieces goes through a workspace buffer (`carry`). Fork and join through
 // events keep the whole call ordered on the caller's stream.
-constexpr int kPieces = 8;
+constexpr int kPieces = 8, kMaxPieces = 16;
+
+// Kernel-lab knob: KDA_PIPELINE_PIECES=n (2..16) cuts the sequences into n pieces instead of 8
+// (timing only).
+int pipeline_pieces() {
+  if (const char* knob = std::getenv("KDA_PIPELINE_PIECES"))
+    return std::clamp(std::atoi(knob), 2, kMaxPieces);
+  return kPieces;
+}
 
 struct PipelineStreams {
   cudaStream_t prepare = nullptr, state = nullptr;
-  cudaEvent_t fork = nullptr, join = nullptr, piece[kPieces] = {};
+  cudaEvent_t fork = nullptr, join = nullptr, piece[kMaxPieces] = {};
   std::mutex mutex;  // the streams and events are shared by the calls on this device
 };
 
@@ -59,16 +67,19 @@ PipelineStreams& pipeline_streams() {
 
 // The longest sequence's chunk count if the forward should be pipelined, else 0.
 int64_t pipeline_chunks(const ChunkPlan& plan, const DeltaRuleShape& s) {
-  // Kernel-lab knob: KDA_PIPELINE=0 turns it off (timing only).
-  if (const char* knob = std::getenv("KDA_PIPELINE"); knob && knob[0] == '0') return 0;
+  // Kernel-lab knob: KDA_PIPELINE=0 turns it off, KDA_PIPELINE=2 pipelines whatever the state
+  // grid (timing only: e.g. with the lean layout on batches, KDA_STATE_NT=1 KDA_STATE_LEAN=1).
+  const char* knob = std::getenv("KDA_PIPELINE");
+  if (knob && knob[0] == '0') return 0;
+  const bool forced = knob && knob[0] == '2';
   // only for one-tile state blocks (at most one per SM): beside two-tile blocks (2 x 8192
   // tokens: 128 blocks of 8 warps) the pipeline measured slower (1.036 against 0.925 ms)
-  if (chunk_state_wide(plan.num_seqs, int(s.HV), int(s.V)) ||
-      chunk_state_blocks(plan.num_seqs, int(s.HV), int(s.V)) > device_sm_count())
+  if (!forced && (chunk_state_wide(plan.num_seqs, int(s.HV), int(s.V)) ||
+                  chunk_state_blocks(plan.num_seqs, int(s.HV), int(s.V)) > device_sm_count()))
     return 0;
   const int64_t* seq_nchunks = plan.tables.data() + 2 * plan.num_chunks + plan.num_seqs;
   const int64_t longest = *std::max_element(seq_nchunks, seq_nchunks + plan.num_seqs);
-  return longest >= 4 * kPieces ? longest : 0;  // pieces of >= 4 chunks
+  return longest >= 4 * pipeline_pieces() ? longest : 0;  // pieces of >= 4 chunks
 }
 
 void pipelined_forward(const ChunkTokens& x, const ChunkWorkspace& ws, Gate gate, int64_t N, int K,
@@ -78,8 +89,9 @@ void pipelined_forward(const ChunkTokens& x, const ChunkWorkspace& ws, Gate gate
   check_cuda(cudaEventRecord(p.fork, stream), "pipeline fork");
   check_cuda(cudaStreamWaitEvent(p.prepare, p.fork, 0), "pipeline fork");
   check_cuda(cudaStreamWaitEvent(p.state, p.fork, 0), "pipeline fork");
-  const int64_t piece = (longest + kPieces - 1) / kPieces;
-  for (int i = 0; i < kPieces; ++i) {
+  const int pieces = pipeline_pieces();
+  const int64_t piece = (longest + pieces - 1) / pieces;
+  for (int i = 0; i < pieces; ++i) {
     ChunkWorkspace wp = ws;
     wp.piece_begin = i * piece;
     wp.piece_end = (i + 1) * piece;
@@ -88,7 +100,7 @@ void pipelined_forward(const ChunkTokens& x, const ChunkWorkspace& ws, Gate gate
     check_cuda(cudaStreamWaitEvent(p.state, p.piece[i], 0), "pipeline piece");
     ChunkTokens xp = x;
     xp.h0 = i == 0 ? x.h0 : carry;  // the carry is read and written in place, tile by tile
-    xp.ht = i == kPieces - 1 ? x.ht : carry;
+    xp.ht = i == pieces - 1 ? x.ht : carry;
     launch_chunk_state(xp, wp, N, K, V, p.state);
   }
   check_cuda(cudaEventRecord(p.join, p.state), "pipeline join");
