@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <random>
 #include <set>
 
 #include "core/error.h"
@@ -210,6 +211,35 @@ TEST(Tasks, MqarFollowsZoology) {
     }
     EXPECT_EQ(scored, 8);  // every key queried exactly once
   }
+}
+
+// draw_discrete is std::discrete_distribution's draw (libstdc++) without its table: the same
+// index and the same engine state after each draw, over power-law and random weights with
+// entries zeroed as MQAR's sampling without replacement does, and the one- and two-weight edges.
+TEST(Tasks, DrawDiscreteMatchesTheStandardDistribution) {
+#ifndef __GLIBCXX__
+  GTEST_SKIP() << "draw_discrete follows libstdc++'s discrete_distribution";
+#endif
+  std::mt19937_64 weights_rng(5);
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  int64_t draws = 0;
+  for (int trial = 0; trial < 40; ++trial) {
+    const size_t n = trial == 0 ? 1 : trial == 1 ? 2 : 3 + size_t(trial) * 37;
+    std::vector<double> w(n);
+    for (size_t i = 0; i < n; ++i)
+      w[i] = trial % 2 ? uniform(weights_rng) : 0.01 * std::pow(double(i + 1), -0.99);
+    std::mt19937_64 ours(100 + trial), theirs(100 + trial);
+    for (size_t k = 0; k + 1 < n || (n <= 2 && k < 3); ++k) {
+      std::discrete_distribution<int64_t> pick(w.begin(), w.end());
+      const int64_t expected = pick(theirs);
+      const int64_t got = train::draw_discrete(w, ours);
+      ASSERT_EQ(got, expected) << "trial " << trial << " draw " << k;
+      ASSERT_EQ(ours(), theirs()) << "engine states diverged";
+      ++draws;
+      if (n > 2) w[size_t(got)] = 0;  // without replacement
+    }
+  }
+  EXPECT_GT(draws, 10000);
 }
 
 TEST(Tasks, StackAndPalindromeTargetsAreRecoverable) {

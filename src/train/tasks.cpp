@@ -28,6 +28,23 @@ std::string task_name(Task task) {
   return "?";
 }
 
+int64_t draw_discrete(const std::vector<double>& weight, std::mt19937_64& rng) {
+  // libstdc++'s discrete_distribution: fewer than two weights draw nothing
+  if (weight.size() < 2) return 0;
+  double sum = 0;
+  for (double w : weight) sum += w;  // std::accumulate's order
+  const double u = std::generate_canonical<double, std::numeric_limits<double>::digits>(rng);
+  // the first index whose cumulative probability (weights divided by the sum, summed in order,
+  // the last one 1) reaches u: lower_bound over the table, stopped where it is found
+  double cumulative = 0;
+  const size_t last = weight.size() - 1;
+  for (size_t i = 0; i < last; ++i) {
+    cumulative += weight[i] / sum;
+    if (cumulative >= u) return int64_t(i);
+  }
+  return int64_t(last);
+}
+
 TaskStream::TaskStream(const TaskSpec& spec, uint64_t seed, int split) : spec_(spec) {
   require(spec.seq_len >= 8, "task: seq_len must be at least 8");
   require(spec.vocab >= 4, "task: vocab must be at least 4");
@@ -91,8 +108,7 @@ void TaskStream::make_example(int32_t* inputs, int32_t* targets) {
     for (int64_t s = 0; s < space; ++s) weight[s] = alpha * std::pow(double(s + 1), alpha - 1);
     std::vector<int64_t> gaps;
     for (int64_t i = 0; i < n; ++i) {
-      std::discrete_distribution<int64_t> pick(weight.begin(), weight.end());
-      const int64_t g = pick(rng);
+      const int64_t g = draw_discrete(weight, rng);
       gaps.push_back(g);
       weight[g] = 0;  // without replacement
     }

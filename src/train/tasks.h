@@ -6,6 +6,7 @@
 //   Stack: push/pop operations; each pop must predict the token on top (pops scored).
 #pragma once
 #include <cstdint>
+#include <random>
 #include <string>
 #include <unordered_set>
 #include <vector>
@@ -28,6 +29,13 @@ struct Batch {
   int64_t B = 0, T = 0;
   std::vector<int32_t> inputs, targets;
 };
+
+// The index that std::discrete_distribution<int64_t>(weight.begin(), weight.end())(rng) draws
+// with libstdc++ (the same uniform draw, the same sums in the same order, so the same examples),
+// without building its normalised table: MQAR samples its query gaps one at a time without
+// replacement, 256 draws an example at length 2048, and building that table for each draw
+// cost ~1 ms an example, more than a GPU training step for the batch.
+int64_t draw_discrete(const std::vector<double>& weight, std::mt19937_64& rng);
 
 class TaskStream {
  public:
