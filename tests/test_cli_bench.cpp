@@ -204,6 +204,41 @@ TEST(CliBench, RecallShardsSplitTheGridAndNoTrainReports) {
   EXPECT_EQ(run(grid + " --shard 1").status, 1);
 }
 
+// --sweep-below A: the first call trains the first learning rate only (the others wait for its
+// runs); the next trains a second rate exactly for the cells whose first-rate accuracy is < A.
+TEST(CliBench, RecallSweepBelowTrainsOtherRatesOnlyWhereNeeded) {
+  const auto out = kOut / "recall_sweep";
+  std::filesystem::remove_all(out);
+  const std::string grid =
+      "bench recall --quick --steps 3 --lengths 16,24 --mixers delta,softmax --tasks stack "
+      "--lrs 3e-3,1e-3 --sweep-below 0.01 --continue --out " +
+      out.string();
+  const CommandResult first = run(grid);
+  ASSERT_EQ(first.status, 0) << first.output;
+  EXPECT_NE(first.output.find("4 wait for the first rate's runs"), std::string::npos)
+      << first.output;
+  auto runs = read_runs(out / "recall_runs.jsonl");
+  ASSERT_EQ(runs.size(), 4u);
+  std::set<std::string> below;
+  for (const auto& one : runs) {
+    EXPECT_FLOAT_EQ(one["lr"].get<float>(), 3e-3f);
+    if (one["accuracy"].get<double>() < 0.01)
+      below.insert(one["mixer"].get<std::string>() + "/" +
+                   std::to_string(one["seq_len"].get<int64_t>()));
+  }
+  const CommandResult second = run(grid);
+  ASSERT_EQ(second.status, 0) << second.output;
+  runs = read_runs(out / "recall_runs.jsonl");
+  std::set<std::string> swept;
+  for (const auto& one : runs)
+    if (one["lr"].get<float>() == 1e-3f)
+      swept.insert(one["mixer"].get<std::string>() + "/" +
+                   std::to_string(one["seq_len"].get<int64_t>()));
+  EXPECT_EQ(swept, below);
+  EXPECT_EQ(runs.size(), 4u + below.size());
+  EXPECT_NE(slurp(out / "recall.md").find("--sweep-below 0.01"), std::string::npos);
+}
+
 TEST(CliBench, VerifyPassesTheFixturesAndFailsABrokenFile) {
   const std::string ops = std::string(KDA_SHARED_DIR) + "/fixtures/ops";
   const CommandResult good = run("verify " + ops);

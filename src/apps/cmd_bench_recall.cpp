@@ -44,7 +44,7 @@ void print_usage() {
       "                        [--lrs 5e-4,1e-3,3e-3] [--jobs N] [--out DIR] [--batch 32]\n"
       "                        [--device cpu|cuda] [--kda-gate softplus|bounded] [--vocab V]\n"
       "                        [--gate-dt-max 0.1] [--seeds 1] [--continue] [--no-train]\n"
-      "                        [--shard I/N]\n"
+      "                        [--shard I/N] [--sweep-below A]\n"
       "\n"
       "Trains 2-layer models (2 heads, equal width across mixers) of each kind: softmax, linear,\n"
       "delta, gated_delta, kda and the kda+softmax hybrid, on MQAR (length/8 key-value pairs),\n"
@@ -67,7 +67,11 @@ void print_usage() {
       "dealt longest first to the least loaded shard (cost: tokens a step), the same way in\n"
       "every call that reads the same runs file, so N processes (one a GPU,\n"
       "scripts/recall_grid.sh) split a grid between them. --no-train trains nothing and\n"
-      "reports the runs DIR's recall_runs.jsonl holds (cells without one show '-').");
+      "reports the runs DIR's recall_runs.jsonl holds (cells without one show '-').\n"
+      "--sweep-below A trains the other learning rates of a cell only where the first one\n"
+      "(the first of --lrs) reached a mean accuracy below A (e.g. 0.99: the best of three\n"
+      "cannot beat ~100 %); until the first rate's runs of a cell are finished (in this call\n"
+      "or an earlier one), its other rates wait for a later --continue call.");
 }
 
 std::vector<std::string> split(const std::string& text) {
@@ -143,6 +147,7 @@ int cmd_bench_recall(const Args& args) {
   int64_t jobs = 1, batch = 0, vocab_option = 0, seeds = 1;
   std::string device = "cpu", kda_gate = "softplus";
   float gate_dt_max = 0.1f;
+  double sweep_below = 2;  // --sweep-below: off (every learning rate of every cell)
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
@@ -184,7 +189,10 @@ int cmd_bench_recall(const Args& args) {
       vocab_option = parse_int(value, a);
     else if (a == "--gate-dt-max")
       gate_dt_max = std::stof(value);
-    else if (a == "--shard") {
+    else if (a == "--sweep-below") {
+      sweep_below = std::stod(value);
+      require(sweep_below > 0 && sweep_below <= 1, "bench recall: --sweep-below takes (0, 1]");
+    } else if (a == "--shard") {
       const size_t slash = value.find('/');
       require(slash != std::string::npos, "bench recall: --shard takes I/N, e.g. 0/8");
       shard = parse_int(value.substr(0, slash), a);
@@ -289,9 +297,35 @@ int cmd_bench_recall(const Args& args) {
   // The runs to train, longest first (the sequence length stands for a step's cost, plus a
   // fixed share for the launches of a step): with --jobs the long runs start early, and
   // --shard deals them to the least loaded shard in this order (ties by grid order).
+  // --sweep-below: a cell's other learning rates only where its first one fell short (decided
+  // from the finished runs, the same way in every shard)
+  size_t not_needed = 0, waiting = 0;
+  auto sweep_needed = [&](const Cell& c) {
+    if (sweep_below > 1 || c.lr == lrs[0]) return true;
+    double sum = 0;
+    int64_t n = 0;
+    for (const Cell& f : cells)
+      if (f.task == c.task && f.T == c.T && f.mixer.name == c.mixer.name && f.lr == lrs[0]) {
+        if (!f.done) {
+          ++waiting;
+          return false;
+        }
+        sum += f.result.accuracy, ++n;
+      }
+    if (n > 0 && sum / double(n) >= sweep_below) {
+      ++not_needed;
+      return false;
+    }
+    return true;
+  };
   std::vector<size_t> pending;
   for (size_t i = 0; i < cells.size(); ++i)
-    if (!cells[i].done) pending.push_back(i);
+    if (!cells[i].done && sweep_needed(cells[i])) pending.push_back(i);
+  if (sweep_below <= 1)
+    std::printf(
+        "sweep below %.3g: %zu runs not needed (the first rate reached it), %zu wait for the "
+        "first rate's runs\n",
+        sweep_below, not_needed, waiting);
   std::stable_sort(pending.begin(), pending.end(),
                    [&](size_t a, size_t b) { return cells[a].T > cells[b].T; });
   std::vector<int64_t> shard_load(size_t(shards), 0);
@@ -457,8 +491,17 @@ int cmd_bench_recall(const Args& args) {
       }
     std::printf("\nby learning rate:\n");
     lr_table.print();
-    write_file_atomic(out_dir + "/recall.md",
-                      table.markdown() + "\nBy learning rate:\n\n" + lr_table.markdown());
+    std::string sweep_note;
+    if (sweep_below <= 1) {
+      char note[200];
+      std::snprintf(note, sizeof note,
+                    "\n(--sweep-below %.3g: the other rates were trained only where %.0e's mean "
+                    "accuracy was below it; '-' marks a run not needed or not yet trained.)\n",
+                    sweep_below, double(lrs[0]));
+      sweep_note = note;
+    }
+    write_file_atomic(out_dir + "/recall.md", table.markdown() + "\nBy learning rate:\n\n" +
+                                                  lr_table.markdown() + sweep_note);
   }
   write_file_atomic(out_dir + "/recall.json", results.dump(1) + "\n");
   write_file_atomic(out_dir + "/recall.svg", svg_plot(task_names, lengths, mixers, best_mean));
