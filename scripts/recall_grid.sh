@@ -29,20 +29,29 @@ dir="${2:-}"
 merge() {
   local all="$dir/recall_runs.jsonl"
   touch "$all"
-  # each run once: the seed lines are in every shard's file too
-  cat "$all" "$dir"/shard_*/recall_runs.jsonl 2>/dev/null | awk 'NF && !seen[$0]++' >"$all.new"
+  # each run once: the seed lines are in every shard's file too (awk reads the files one by
+  # one, so a file cut inside its last line cannot glue it to the next file's first)
+  awk 'NF && !seen[$0]++' "$all" "$dir"/shard_*/recall_runs.jsonl >"$all.new" 2>/dev/null
   mv "$all.new" "$all"
   echo "== $(wc -l <"$all") runs in $all"
-  # shellcheck disable=SC2046
-  "$kda" bench recall $(cat "$dir/options") --no-train --out "$dir" | tail -12
+  local options=()
+  mapfile -t options <"$dir/options"
+  "$kda" bench recall "${options[@]}" --no-train --out "$dir" | tail -12
 }
 
 case "$command" in
   start)
     shift 2
     mkdir -p "$dir"
+    for pid_file in "$dir"/shard_*.pid; do
+      if [ -f "$pid_file" ] && kill -0 "$(cat "$pid_file")" 2>/dev/null; then
+        echo "shards of $dir are still running: wait for them (or kill them) first"
+        exit 1
+      fi
+    done
     touch "$dir/recall_runs.jsonl"
-    echo "$*" >"$dir/options"
+    printf '%s\n' "$@" >"$dir/options"  # one option a line: quoting survives
+    [ -n "$(ls "$dir"/shard_* 2>/dev/null)" ] && merge >/dev/null  # keep unmerged runs
     gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
     [ "$gpus" -ge 1 ] || {
       echo "no GPU found"
@@ -61,6 +70,7 @@ case "$command" in
   wait)
     seconds="${3:?wait needs SECONDS}"
     start=$(date +%s)
+    running=0
     while [ $(($(date +%s) - start)) -lt "$seconds" ]; do
       running=0
       for pid_file in "$dir"/shard_*.pid; do

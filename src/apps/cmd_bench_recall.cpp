@@ -458,6 +458,8 @@ int cmd_bench_recall(const Args& args) {
     if (c.per_seed.empty()) return std::string("-");
     std::string text = fmt(100 * c.mean, 1) + "%";
     if (seeds > 1) text += " (" + fmt(100 * c.min, 1) + "-" + fmt(100 * c.max, 1) + ")";
+    if (int64_t(c.per_seed.size()) < seeds)  // some seeds not trained yet (--shard, --no-train)
+      text += " [" + std::to_string(c.per_seed.size()) + "/" + std::to_string(seeds) + " seeds]";
     return text;
   };
   Table table(header);
