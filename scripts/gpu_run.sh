@@ -8,10 +8,15 @@
 # ../shared/fixtures/models; only gpt2_tiny keeps grads/, for the gpt2_train suite; ../shared
 # does not travel). How to fill gpu_carry/: docs/GPU_NOTES.md, "Preparing gpu_carry".
 #
-#   scripts/gpu_run.sh [--check-only | --bench-only | --no-fla | --model | --train]
+#   scripts/gpu_run.sh [--check-only | --bench-only | --no-fla | --model | --train | --lab]
 #
 # --no-fla: everything but timing fla (a quicker call).
 # --model:  the model path (checks + benchmarks) and the delta-rule kernels' checks only.
+# --lab:    the open kernel experiments (docs/GPU_NOTES.md "What is left" item 5) in one call:
+#           kda_gpu_check --check (the lean state layout and the forced pipeline among its
+#           checks), the chunked forward rows under each knob combination (default; the
+#           pipeline forced onto batches; forced with one-tile lean state blocks, 8 and 16
+#           pieces), then kda_gpu_train --profile-recall (where a recall step's time goes).
 # --train:  training on the GPU only: one build (kda, kda_gpu_model, kda_gpu_train; needs
 #           gpu_carry/pcre2), the training kernels' checks (attention, attention_bwd,
 #           lineage_ops, linear_attn, train, gpt2_train, gemm), the lineage GPU trainer against the
@@ -36,6 +41,36 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 date -u +"%Y-%m-%d %H:%M UTC"
 
 script_start=$(date +%s)
+
+if [ "$mode" = "--lab" ]; then
+  echo "== configure + build (build-gpu-app: kda_gpu_check, kda_gpu_train; sm_90a)"
+  export PKG_CONFIG_PATH="$PWD/gpu_carry/pcre2/lib/pkgconfig" LD_LIBRARY_PATH="$PWD/gpu_carry/pcre2/lib"
+  start=$(date +%s)
+  if ! { cmake -S . -B build-gpu-app -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_CUDA_ARCHITECTURES=90a -DKDA_TESTS=OFF >"$log_dir/configure_app.log" 2>&1 &&
+    cmake --build build-gpu-app --target kda_gpu_check kda_gpu_train -j "$(nproc)" \
+      >"$log_dir/build_app.log" 2>&1; }; then
+    grep -E "error" -A3 "$log_dir/configure_app.log" "$log_dir/build_app.log" | head -40
+    exit 1
+  fi
+  echo "built in $(($(date +%s) - start)) s"
+  echo "== kda_gpu_check --check"
+  timeout 240 ./build-gpu-app/bin/kda_gpu_check --check >"$log_dir/lab_check.log" 2>&1
+  status=$?
+  grep -E "FAIL|NOTE" "$log_dir/lab_check.log" | head -20
+  echo "checks: exit $status, $(grep -c "^CHECK.*PASS" "$log_dir/lab_check.log") pass," \
+    "$(grep -c "^CHECK.*lean-state.*PASS" "$log_dir/lab_check.log") of them lean-state"
+  for knobs in "" "KDA_PIPELINE=2" "KDA_PIPELINE=2 KDA_STATE_NT=1 KDA_STATE_LEAN=1" \
+    "KDA_PIPELINE=2 KDA_STATE_NT=1 KDA_STATE_LEAN=1 KDA_PIPELINE_PIECES=16"; do
+    echo "== chunked forward rows with: ${knobs:-(defaults)}"
+    # shellcheck disable=SC2086
+    env $knobs KDA_BENCH_ONLY=chunk timeout 150 ./build-gpu-app/bin/kda_gpu_check --bench 2>&1 |
+      grep -E "chunk_fwd (kda|kda-layer|gdn) "
+  done
+  echo "== kda_gpu_train --profile-recall"
+  timeout 150 ./build-gpu-app/bin/kda_gpu_train --profile-recall 2>&1 | grep -E "PROFILE|BENCH"
+  exit "$status"
+fi
 
 if [ "$mode" = "--train" ]; then
   echo "== configure + build (build-gpu-app: kda, kda_gpu_model, kda_gpu_train; sm_90a)"

@@ -31,9 +31,9 @@
 //   64, 128: the automatic choice, the tile and the head kernel, and the same-size ceilings
 //   (decode_state_copy: the step's state bytes copied in place; cudaMemcpyAsync of as many
 //   bytes), all over slot sets rotating through a 2 GiB pool (no L2 reuse between calls).
-//   KDA_BENCH_ONLY=kda: the KDA chunked rows alone. KDA_DECODE_OVERLAP=1: decode steps (and the
-//   in-place copy) with programmatic dependent launch.
-//   Results go to FILE as tab-separated lines (read by bench/gpu/fla_bench.py).
+//   KDA_BENCH_ONLY=kda: the KDA chunked rows alone (=chunk: KDA and GDN). KDA_DECODE_OVERLAP=1:
+//   decode steps (and the in-place copy) with programmatic dependent launch. Results go to FILE as
+//   tab-separated lines (read by bench/gpu/fla_bench.py).
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -1218,9 +1218,11 @@ void run_bench(const std::string& out_path) {
     int64_t B, T;
   };
   // Kernel-lab knob: KDA_BENCH_ONLY=kda times the KDA chunked rows alone (no GDN, no decode);
+  // KDA_BENCH_ONLY=chunk the KDA and Gated DeltaNet chunked rows (no decode);
   // KDA_BENCH_ONLY=decode (or --decode) the decode rows alone
   const char* only = std::getenv("KDA_BENCH_ONLY");
   const bool kda_only = only && std::strcmp(only, "kda") == 0;
+  const bool chunk_only = kda_only || (only && std::strcmp(only, "chunk") == 0);
   const bool decode_only = g_decode_only || (only && std::strcmp(only, "decode") == 0);
   for (Gate gate : {Gate::channel, Gate::scalar}) {
     if (decode_only) break;
@@ -1430,7 +1432,7 @@ void run_bench(const std::string& out_path) {
   // call (B <= 16: the states may stay in L2 between calls: what L2 reuse would flatter). Until
   // v18 the rows used 16 rotating sets for every B (B = 1: only 32 MB, partly L2-resident).
   for (Gate gate : {Gate::channel, Gate::scalar}) {
-    if (kda_only) break;
+    if (chunk_only) break;
     const int64_t slots_n = 1024;
     DeviceBuffer pool(size_t(slots_n) * H * K * V * 4);
     ck(cudaMemset(pool.ptr, 0, pool.bytes), "pool");
