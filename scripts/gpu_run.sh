@@ -42,18 +42,24 @@ date -u +"%Y-%m-%d %H:%M UTC"
 
 script_start=$(date +%s)
 
-if [ "$mode" = "--lab" ]; then
-  echo "== configure + build (build-gpu-app: kda_gpu_check, kda_gpu_train; sm_90a)"
+# build-gpu-app (the kda binary's configuration, with the CUDA kernels; needs gpu_carry/pcre2):
+# configure and build the named targets, or stop the script with the errors
+build_app() {
+  echo "== configure + build (build-gpu-app: $*; sm_90a)"
   export PKG_CONFIG_PATH="$PWD/gpu_carry/pcre2/lib/pkgconfig" LD_LIBRARY_PATH="$PWD/gpu_carry/pcre2/lib"
+  local start
   start=$(date +%s)
   if ! { cmake -S . -B build-gpu-app -G Ninja -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_CUDA_ARCHITECTURES=90a -DKDA_TESTS=OFF >"$log_dir/configure_app.log" 2>&1 &&
-    cmake --build build-gpu-app --target kda_gpu_check kda_gpu_train -j "$(nproc)" \
-      >"$log_dir/build_app.log" 2>&1; }; then
+    cmake --build build-gpu-app --target "$@" -j "$(nproc)" >"$log_dir/build_app.log" 2>&1; }; then
     grep -E "error" -A3 "$log_dir/configure_app.log" "$log_dir/build_app.log" | head -40
     exit 1
   fi
   echo "built in $(($(date +%s) - start)) s"
+}
+
+if [ "$mode" = "--lab" ]; then
+  build_app kda_gpu_check kda_gpu_train
   echo "== kda_gpu_check --check"
   timeout 240 ./build-gpu-app/bin/kda_gpu_check --check >"$log_dir/lab_check.log" 2>&1
   status=$?
@@ -73,17 +79,7 @@ if [ "$mode" = "--lab" ]; then
 fi
 
 if [ "$mode" = "--train" ]; then
-  echo "== configure + build (build-gpu-app: kda, kda_gpu_model, kda_gpu_train; sm_90a)"
-  export PKG_CONFIG_PATH="$PWD/gpu_carry/pcre2/lib/pkgconfig" LD_LIBRARY_PATH="$PWD/gpu_carry/pcre2/lib"
-  start=$(date +%s)
-  if ! { cmake -S . -B build-gpu-app -G Ninja -DCMAKE_BUILD_TYPE=Release \
-      -DCMAKE_CUDA_ARCHITECTURES=90a -DKDA_TESTS=OFF >"$log_dir/configure_app.log" 2>&1 &&
-    cmake --build build-gpu-app --target kda kda_gpu_model kda_gpu_train -j "$(nproc)" \
-      >"$log_dir/build_app.log" 2>&1; }; then
-    grep -E "error" -A3 "$log_dir/configure_app.log" "$log_dir/build_app.log" | head -40
-    exit 1
-  fi
-  echo "built in $(($(date +%s) - start)) s"
+  build_app kda kda_gpu_model kda_gpu_train
   status=0
   touch "$log_dir/train_kernels.log" "$log_dir/lineage_train.log"
   if [ -z "${KDA_SKIP_KERNELS:-}" ]; then
