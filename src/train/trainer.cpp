@@ -187,7 +187,15 @@ json Trainer::architecture() const {
 }
 
 uint64_t Trainer::data_position() const {
-  return text_stream_ ? text_stream_->position() : stream_->position();
+  if (text_stream_) return text_stream_->position();
+  return prefetch_.valid() ? prefetch_from_ : stream_->position();
+}
+
+Batch Trainer::next_task_batch() {
+  Batch b = prefetch_.valid() ? prefetch_.get() : stream_->next(settings_.batch);
+  prefetch_from_ = stream_->position();
+  prefetch_ = std::async(std::launch::async, [this] { return stream_->next(settings_.batch); });
+  return b;
 }
 
 std::unique_ptr<Trainer> Trainer::resume(const std::string& out_dir, const std::string& device) {
@@ -262,7 +270,7 @@ void Trainer::run(int64_t stop_after, const std::atomic<bool>* interrupt,
                 ->forward_backward(b.inputs.data(), b.targets.data(), b.B, b.T, true, b.cu_seqlens)
                 .loss;
       } else {
-        const Batch b = stream_->next(settings_.batch);
+        const Batch b = next_task_batch();
         loss += model_->forward_backward(b.inputs.data(), b.targets.data(), b.B, b.T, true).loss;
       }
     }

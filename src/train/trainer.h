@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <future>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -108,6 +109,12 @@ class Trainer {
   std::unique_ptr<TrainableModel> model_;
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<TaskStream> stream_;
+  // Synthetic runs: the next batch, made on a second thread while a step trains (MQAR's
+  // generator takes about as long as a GPU step at length 2048). While it is pending, the
+  // stream is that thread's alone and a checkpoint records where the batch starts.
+  std::future<Batch> prefetch_;
+  uint64_t prefetch_from_ = 0;
+  Batch next_task_batch();
   TestSet test_;
   // text runs
   std::unique_ptr<TextCorpus> corpus_;
