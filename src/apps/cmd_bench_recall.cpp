@@ -258,8 +258,7 @@ int cmd_bench_recall(const Args& args) {
     float lr;
     uint64_t seed;
     train::RecallResult result;
-    bool done = false;     // reused from an earlier call (--continue), or trained in this one
-    bool skipped = false;  // another shard's (--shard), or --no-train
+    bool done = false;  // reused from an earlier call (--continue), or trained in this one
   };
   std::vector<Cell> cells;
   for (const std::string& task : task_names)
@@ -334,10 +333,7 @@ int cmd_bench_recall(const Args& args) {
     const size_t to =
         size_t(std::min_element(shard_load.begin(), shard_load.end()) - shard_load.begin());
     shard_load[to] += cells[i].T + 256;
-    if (int64_t(to) == shard && !no_train)
-      order.push_back(i);
-    else
-      cells[i].skipped = true;
+    if (int64_t(to) == shard && !no_train) order.push_back(i);
   }
   if (shards > 1 || no_train) {
     std::printf("training %zu of the %zu missing runs", order.size(), pending.size());
@@ -430,15 +426,15 @@ int cmd_bench_recall(const Args& args) {
           for (const Cell& c : cells)
             if (c.done && c.task == task && c.T == T && c.mixer.name == m.name && c.lr == lr)
               here.per_seed.push_back(c.result.accuracy);
+          if (!here.per_seed.empty()) {  // (none yet: --shard, --no-train, --sweep-below)
+            double sum = 0;
+            for (double a : here.per_seed) sum += a;
+            here.mean = sum / double(here.per_seed.size());
+            here.min = *std::min_element(here.per_seed.begin(), here.per_seed.end());
+            here.max = *std::max_element(here.per_seed.begin(), here.per_seed.end());
+            if (here.mean > top.mean) top = here;
+          }
           by_lr[key + "/" + std::to_string(li)] = here;
-          if (here.per_seed.empty()) continue;  // not trained yet (--shard, --no-train)
-          double sum = 0;
-          for (double a : here.per_seed) sum += a;
-          here.mean = sum / double(here.per_seed.size());
-          here.min = *std::min_element(here.per_seed.begin(), here.per_seed.end());
-          here.max = *std::max_element(here.per_seed.begin(), here.per_seed.end());
-          by_lr[key + "/" + std::to_string(li)] = here;
-          if (here.mean > top.mean) top = here;
         }
         if (top.per_seed.empty()) continue;  // no run of this cell at any learning rate
         best_mean[key] = top.mean;

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <future>
 
 #include "core/timer.h"
 #include "train/model_factory.h"
@@ -27,14 +26,9 @@ RecallResult run_recall(const RecallRun& run) {
   result.params = model.num_params();
   double tail_loss = 0;
   int64_t tail = 0;
-  // The next batch is made on a second thread while this step trains: MQAR's generator takes
-  // ~25 ms a batch of 32 at length 2048, as long as a GPU step. The stream is only ever touched
-  // by one thread at a time, in order, so the batches are the same as made inline.
-  auto make_batch = [&] { return stream.next(run.batch); };
-  std::future<Batch> next_batch = std::async(std::launch::async, make_batch);
+  PrefetchingStream batches(stream, run.batch);  // the next batch made while a step trains
   for (int64_t step = 0; step < run.steps; ++step) {
-    const Batch b = next_batch.get();
-    if (step + 1 < run.steps) next_batch = std::async(std::launch::async, make_batch);
+    const Batch b = batches.next();
     model.zero_grad();
     const auto r = model.forward_backward(b.inputs.data(), b.targets.data(), b.B, b.T, true);
     if (!std::isfinite(r.loss)) break;  // diverged: evaluate what we have

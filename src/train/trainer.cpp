@@ -178,6 +178,7 @@ void Trainer::start(bool resuming) {
     test_ = make_test_set(settings_.task, settings_.seed, settings_.eval_examples);
     stream_ = std::make_unique<TaskStream>(settings_.task, settings_.seed, 0);
     stream_->forbid(test_.hashes);
+    batches_ = std::make_unique<PrefetchingStream>(*stream_, settings_.batch);
   }
 }
 
@@ -187,15 +188,7 @@ json Trainer::architecture() const {
 }
 
 uint64_t Trainer::data_position() const {
-  if (text_stream_) return text_stream_->position();
-  return prefetch_.valid() ? prefetch_from_ : stream_->position();
-}
-
-Batch Trainer::next_task_batch() {
-  Batch b = prefetch_.valid() ? prefetch_.get() : stream_->next(settings_.batch);
-  prefetch_from_ = stream_->position();
-  prefetch_ = std::async(std::launch::async, [this] { return stream_->next(settings_.batch); });
-  return b;
+  return text_stream_ ? text_stream_->position() : batches_->position();
 }
 
 std::unique_ptr<Trainer> Trainer::resume(const std::string& out_dir, const std::string& device) {
@@ -270,7 +263,7 @@ void Trainer::run(int64_t stop_after, const std::atomic<bool>* interrupt,
                 ->forward_backward(b.inputs.data(), b.targets.data(), b.B, b.T, true, b.cu_seqlens)
                 .loss;
       } else {
-        const Batch b = next_task_batch();
+        const Batch b = batches_->next();
         loss += model_->forward_backward(b.inputs.data(), b.targets.data(), b.B, b.T, true).loss;
       }
     }

@@ -12,7 +12,6 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
-#include <future>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -109,12 +108,7 @@ class Trainer {
   std::unique_ptr<TrainableModel> model_;
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<TaskStream> stream_;
-  // Synthetic runs: the next batch, made on a second thread while a step trains (MQAR's
-  // generator takes about as long as a GPU step at length 2048). While it is pending, the
-  // stream is that thread's alone and a checkpoint records where the batch starts.
-  std::future<Batch> prefetch_;
-  uint64_t prefetch_from_ = 0;
-  Batch next_task_batch();
+  std::unique_ptr<PrefetchingStream> batches_;  // stream_'s batches, the next one made ahead
   TestSet test_;
   // text runs
   std::unique_ptr<TextCorpus> corpus_;
