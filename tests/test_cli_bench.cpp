@@ -239,6 +239,25 @@ TEST(CliBench, RecallSweepBelowTrainsOtherRatesOnlyWhereNeeded) {
   EXPECT_NE(slurp(out / "recall.md").find("--sweep-below 0.01"), std::string::npos);
 }
 
+// kda bench tasks: one line a task and length, the same hash on a second call (the streams are
+// seeded), and a clear error on a bad flag.
+TEST(CliBench, TasksTimesEveryTaskAndHashesItsBatches) {
+  const std::string args = "bench tasks --lengths 16,32 --vocab 64 --batch 4 --batches 2";
+  const CommandResult first = run(args), second = run(args);
+  ASSERT_EQ(first.status, 0) << first.output;
+  for (const char* line : {"mqar       T=16 ", "palindrome T=32 ", "stack      T=16 "})
+    EXPECT_NE(first.output.find(line), std::string::npos) << line << "\n" << first.output;
+  auto hashes = [](const std::string& out) {
+    std::string all;
+    for (size_t at = out.find("(hash "); at != std::string::npos; at = out.find("(hash ", at + 1))
+      all += out.substr(at, 23);
+    return all;
+  };
+  EXPECT_EQ(hashes(first.output).size(), 6u * 23u);
+  EXPECT_EQ(hashes(first.output), hashes(second.output));
+  EXPECT_EQ(run("bench tasks --frobnicate 1").status, 1);
+}
+
 TEST(CliBench, VerifyPassesTheFixturesAndFailsABrokenFile) {
   const std::string ops = std::string(KDA_SHARED_DIR) + "/fixtures/ops";
   const CommandResult good = run("verify " + ops);

@@ -21,6 +21,7 @@ void print_usage() {
       "       kda bench recall [--quick] ...   (see kda bench recall --help)\n"
       "       kda bench decode [--tiny] ...    (see kda bench decode --help)\n"
       "       kda bench train [--model CONFIG] ... (see kda bench train --help)\n"
+      "       kda bench tasks [--lengths 256,2048] ... (see kda bench tasks --help)\n"
       "\n"
       "Measures the fp32 GEMM rate (the ceiling), then for KDA and Gated DeltaNet: chunked\n"
       "forward, chunked forward+backward and recurrent forward, in tokens/s and GFLOP/s.\n"
@@ -36,6 +37,8 @@ int cmd_bench(const Args& args) {
     return cmd_bench_train(Args(args.begin() + 1, args.end()));
   if (!args.empty() && args[0] == "decode")
     return cmd_bench_decode(Args(args.begin() + 1, args.end()));
+  if (!args.empty() && args[0] == "tasks")
+    return cmd_bench_tasks(Args(args.begin() + 1, args.end()));
   std::vector<int64_t> lengths = {4096, 16384};
   int64_t heads = 4, dim = 128;
   int reps = 3;

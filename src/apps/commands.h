@@ -13,6 +13,7 @@ int cmd_bench(const Args& args);
 int cmd_bench_recall(const Args& args);
 int cmd_bench_decode(const Args& args);
 int cmd_bench_train(const Args& args);
+int cmd_bench_tasks(const Args& args);
 int cmd_train(const Args& args);
 int cmd_info(const Args& args);
 int cmd_run(const Args& args);

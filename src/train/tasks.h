@@ -34,8 +34,8 @@ struct Batch {
 // The index that std::discrete_distribution<int64_t>(weight.begin(), weight.end())(rng) draws
 // with libstdc++ (the same uniform draw, the same sums in the same order, so the same examples),
 // without building its normalised table: MQAR samples its query gaps one at a time without
-// replacement, 256 draws an example at length 2048, and building that table for each draw
-// cost ~1 ms an example, more than a GPU training step for the batch.
+// replacement, 256 draws an example at length 2048, and building that table for each draw took
+// a batch of 32 from ~13 to ~28 ms (`kda bench tasks`, docs/PERF.md).
 int64_t draw_discrete(const std::vector<double>& weight, std::mt19937_64& rng);
 
 class TaskStream {
@@ -58,7 +58,8 @@ class TaskStream {
 };
 
 // A TaskStream whose next batch is made on a second thread while the caller trains on the
-// current one (MQAR's generator takes ~25 ms a batch of 32 at length 2048, about a GPU step).
+// current one (MQAR's generator takes ~13 ms a batch of 32 at length 2048, the recall models'
+// GPU step 19-22 ms).
 // The stream is touched by one thread at a time, in order, so the batches are those of the
 // stream itself; position() is where the batch not yet handed out starts (for checkpoints).
 class PrefetchingStream {
