@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "core/parallel.h"
+#include "core/token_ids.h"
 #include "model/gpt2_config.h"
 #include "ops/attention/attention.h"
 #include "ops/nn/nn.h"
@@ -196,11 +197,7 @@ class Gpt2Model : public CausalLM {
     require(past + int64_t(ids.size()) <= limit,
             "gpt2: " + std::to_string(past) + " tokens held + " + std::to_string(ids.size()) +
                 " new exceed the context of " + std::to_string(limit) + " tokens");
-    for (const int32_t id : ids) {
-      require(id >= 0 && id < config_.vocab, "gpt2: token id " + std::to_string(id) +
-                                                 " is outside the vocabulary [0, " +
-                                                 std::to_string(config_.vocab) + ")");
-    }
+    require_token_ids(ids, config_.vocab, "gpt2");
   }
 
   // Tokens `ids` at positions past.. through every layer. caches == nullptr: one causal pass

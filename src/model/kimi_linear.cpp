@@ -8,6 +8,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/token_ids.h"
 #include "model/kimi_linear_blocks.h"
 #include "model/kimi_linear_config.h"
 #include "ops/nn/nn.h"
@@ -209,11 +210,7 @@ Tensor KimiLinearModel::run(std::span<const int32_t> ids, SequenceMemory& mem, k
                                                  " tokens after " + std::to_string(mem.length) +
                                                  " would pass the context limit of " +
                                                  std::to_string(mem.max_context));
-  for (int64_t t = 0; t < T; ++t) {
-    require(ids[t] >= 0 && ids[t] < V, "kimi_linear: token id " + std::to_string(ids[t]) +
-                                           " is outside the vocabulary [0, " + std::to_string(V) +
-                                           ")");
-  }
+  require_token_ids(ids, V, "kimi_linear");
   for (const runtime::LatentCache& c : mem.latent) c.check_room(T);
 
   float* h = grow(s.h, T * D);

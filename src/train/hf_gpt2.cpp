@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "core/random.h"
+#include "core/token_ids.h"
 #include "model/model_folder.h"
 #include "ops/attention/attention.h"
 #include "train/layers.h"
@@ -284,12 +285,11 @@ StepResult Gpt2Trainable::forward_backward(const int32_t* inputs, const int32_t*
   positions_.resize(rows);
   for (size_t n = 0; n + 1 < segments.size(); ++n)
     for (int64_t r = segments[n]; r < segments[n + 1]; ++r) positions_[r] = r - segments[n];
-  for (int64_t r = 0; r < rows; ++r) {
-    require(inputs[r] >= 0 && inputs[r] < V, "gpt2: token id " + std::to_string(inputs[r]) +
-                                                 " is outside the vocabulary [0, " +
-                                                 std::to_string(V) + ")");
-    require(positions_[r] < config_.positions,
-            "gpt2: position " + std::to_string(positions_[r]) + " is past n_positions = " +
+  require_token_ids({inputs, size_t(rows)}, V, "gpt2");
+  for (size_t n = 0; n + 1 < segments.size(); ++n) {  // a document's last position is its longest
+    const int64_t last = segments[n + 1] - segments[n] - 1;
+    require(last < config_.positions,
+            "gpt2: position " + std::to_string(last) + " is past n_positions = " +
                 std::to_string(config_.positions) + " (shorten the rows or documents)");
   }
   // the attention op sees a packed batch as one row of B * T tokens delimited by cu_seqlens

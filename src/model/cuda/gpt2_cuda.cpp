@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/token_ids.h"
 #include "model/cuda/cuda_models.h"
 #include "model/cuda/device_tensor.h"
 #include "model/cuda/kimi_cuda_blocks.h"
@@ -222,10 +223,7 @@ Tensor Gpt2CudaSession::run(std::span<const int32_t> ids, bool last_only) {
   require(length_ + T <= max_context_,
           "gpt2 (cuda): " + std::to_string(length_) + " tokens held + " + std::to_string(T) +
               " new exceed the context of " + std::to_string(max_context_) + " tokens");
-  for (const int32_t id : ids) {
-    require(id >= 0 && id < model_.vocab_size(),
-            "gpt2 (cuda): token id " + std::to_string(id) + " is outside the vocabulary");
-  }
+  require_token_ids(ids, model_.vocab_size(), "gpt2 (cuda)");
   int32_t* ids_device = take<int32_t>(device_.ctx().s.ids, T);
   k::check_cuda(cudaMemcpyAsync(ids_device, ids.data(), size_t(T) * 4, cudaMemcpyHostToDevice,
                                 device_.stream()),

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/random.h"
+#include "core/token_ids.h"
 #include "model/cuda/gpt2_train_kernels.h"
 #include "model/model_folder.h"
 #include "ops/attention/cuda/attention_cuda.h"
@@ -357,13 +358,8 @@ Gpt2StepResult Gpt2CudaTrainer::run(const int32_t* ids, const int32_t* targets, 
     require(docs[d + 1] - docs[d] <= c_.positions,
             "gpt2 (cuda training): a sequence of " + std::to_string(docs[d + 1] - docs[d]) +
                 " tokens is past n_positions = " + std::to_string(c_.positions));
-  for (int64_t r = 0; r < R; ++r) {
-    require(ids[r] >= 0 && ids[r] < V, "gpt2 (cuda training): token id " + std::to_string(ids[r]) +
-                                           " is outside the vocabulary");
-    require(targets[r] >= -1 && targets[r] < V, "gpt2 (cuda training): target " +
-                                                    std::to_string(targets[r]) +
-                                                    " is outside the vocabulary (or -1)");
-  }
+  require_token_ids({ids, size_t(R)}, V, "gpt2 (cuda training)");
+  require_targets({targets, size_t(R)}, V, "gpt2 (cuda training)");
   ensure_activations(B, T);
   Activations& a = *acts_;
   k::Gemm& gemm = engines_->gemm;

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/token_ids.h"
 #include "model/cuda/cuda_models.h"
 #include "model/cuda/device_tensor.h"
 #include "model/cuda/kimi_cuda_blocks.h"
@@ -284,11 +285,7 @@ Tensor KimiCudaSession::run(std::span<const int32_t> ids, bool last_only) {
                                            " tokens after " + std::to_string(length_) +
                                            " would pass the context limit of " +
                                            std::to_string(max_context_));
-  for (int64_t t = 0; t < T; ++t) {
-    require(ids[t] >= 0 && ids[t] < V, "kimi_linear (cuda): token id " + std::to_string(ids[t]) +
-                                           " is outside the vocabulary [0, " + std::to_string(V) +
-                                           ")");
-  }
+  require_token_ids(ids, V, "kimi_linear (cuda)");
   if (T == 1 && graphs_) return decode_step(ids[0]);
   drop_graph();  // a prefill may grow (move) the buffers a graph points at
   Tensor logits(DType::f32, {last_only ? 1 : T, V});

@@ -3,6 +3,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/token_ids.h"
 #include "ops/common/device_buffer.h"
 
 namespace kda::train::cuda {
@@ -42,12 +43,8 @@ void DeviceTrainableModel::begin_step(const int32_t* inputs, const int32_t* targ
   require(B >= 1 && T >= 1, what + ": B and T must be >= 1");
   document_segments(cu_seqlens, B, T, what);  // validates them
   cu_seqlens_.assign(cu_seqlens.begin(), cu_seqlens.end());
-  for (int64_t r = 0; r < B * T; ++r) {
-    require(inputs[r] >= 0 && inputs[r] < V,
-            what + ": token id " + std::to_string(inputs[r]) + " is outside the vocabulary");
-    require(targets[r] >= -1 && targets[r] < V,
-            what + ": target " + std::to_string(targets[r]) + " is outside the vocabulary (or -1)");
-  }
+  require_token_ids({inputs, size_t(B * T)}, V, what);
+  require_targets({targets, size_t(B * T)}, V, what);
 }
 
 StepResult DeviceTrainableModel::read_step_result(const k::DeviceBuffer& result,
