@@ -270,5 +270,27 @@ TEST(Tasks, TrainStreamNeverYieldsTestExamples) {
   }
 }
 
+// A batch's examples are made on several threads; the stream must be the one-at-a-time one,
+// forbidden examples skipped in the same places and the position left at the same seed.
+TEST(Tasks, ThreadedBatchesEqualExamplesMadeOneAtATime) {
+  for (const train::TaskSpec spec :
+       {train::TaskSpec{train::Task::palindrome, 4, 8, 0},  // 16 possible examples: collisions
+        train::TaskSpec{train::Task::mqar, 64, 64, 0},
+        train::TaskSpec{train::Task::stack, 32, 40}}) {
+    const train::TestSet test = train::make_test_set(spec, 5, 30);
+    train::TaskStream batched(spec, 5, 0), single(spec, 5, 0);
+    batched.forbid(test.hashes);
+    single.forbid(test.hashes);
+    const train::Batch b = batched.next(97);
+    for (int64_t i = 0; i < b.B; ++i) {
+      const train::Batch one = single.next(1);
+      ASSERT_TRUE(std::equal(one.inputs.begin(), one.inputs.end(), &b.inputs[i * b.T]));
+      ASSERT_TRUE(std::equal(one.targets.begin(), one.targets.end(), &b.targets[i * b.T]));
+    }
+    EXPECT_EQ(batched.position(), single.position());
+    EXPECT_EQ(batched.next(3).inputs, single.next(3).inputs);
+  }
+}
+
 }  // namespace
 }  // namespace kda

@@ -51,7 +51,12 @@ class TaskStream {
   void seek(uint64_t position) { state_ = position; }
 
  private:
-  void make_example(int32_t* inputs, int32_t* targets);
+  // One example from its engine seed (examples of a split step their seeds by
+  // kExampleSeedStep, which keeps train seeds even and test seeds odd).
+  void make_example(uint64_t seed, int32_t* inputs, int32_t* targets) const;
+  static constexpr uint64_t kExampleSeedStep = 0x9E3779B97F4A7C15ull * 2;
+  // Threads that make a batch's examples (a few: recall runs train several cells at once).
+  static constexpr int64_t kMaxTaskThreads = 4;
   TaskSpec spec_;
   uint64_t state_;
   std::unordered_set<uint64_t> forbidden_;
