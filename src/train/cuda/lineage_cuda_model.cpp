@@ -158,6 +158,9 @@ void LineageCudaModel::ensure_activations(int64_t R) {
   }
   a->invf = f32(R);
   a->hf_c = bf(R * d);
+  a->head_rows = DeviceBuffer(size_t(R) * 4);
+  a->head_targets = DeviceBuffer(size_t(R) * 4);
+  a->x_head = f32(R * d);
   // fp32 logits (bf16 ones cost MQAR's loss curve 8 % against the CPU's at 150 steps: confident
   // logits of ~16 round by 0.06); their gradients go to dy_c in bf16, what the GEMMs read
   a->logits = f32(R * V);
@@ -484,6 +487,18 @@ void LineageCudaModel::mixer_backward(Layer& L, int64_t l, int64_t B, int64_t T)
   }
 }
 
+bool LineageCudaModel::select_head_rows(const int32_t* targets, int64_t R) {
+  head_rows_.clear();
+  head_targets_.clear();
+  for (int64_t r = 0; r < R; ++r) {
+    if (targets[r] < 0) continue;
+    head_rows_.push_back(int32_t(r));
+    head_targets_.push_back(targets[r]);
+  }
+  const int64_t n = int64_t(head_rows_.size());
+  return n >= 1 && 8 * n <= 7 * R;
+}
+
 StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32_t* targets,
                                               int64_t B, int64_t T, bool backward,
                                               std::span<const int64_t> cu_seqlens) {
@@ -550,6 +565,19 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
              "cudaMemcpyAsync (ids)");
   check_cuda(cudaMemcpyAsync(a.targets.data(), targets, size_t(R) * 4, cudaMemcpyHostToDevice, s),
              "cudaMemcpyAsync (targets)");
+  // The final norm, the head's GEMMs and the cross-entropy run over the scored rows only when
+  // at most 7 in 8 are scored (MQAR scores 1 in 8, Palindrome 1 in 2): unscored rows get no
+  // gradient either way, and the head is a quarter of a recall model's step at vocab 8192.
+  const bool gathered = select_head_rows(targets, R);
+  const int64_t Rh = gathered ? int64_t(head_rows_.size()) : R;
+  if (gathered) {
+    check_cuda(cudaMemcpyAsync(a.head_rows.data(), head_rows_.data(), size_t(Rh) * 4,
+                               cudaMemcpyHostToDevice, s),
+               "cudaMemcpyAsync (head rows)");
+    check_cuda(cudaMemcpyAsync(a.head_targets.data(), head_targets_.data(), size_t(Rh) * 4,
+                               cudaMemcpyHostToDevice, s),
+               "cudaMemcpyAsync (head targets)");
+  }
   k::sequence_positions(cu_seqlens_, B, T, a.positions.as<int32_t>(), s);
   model::cuda::StageTimer& timer = engines_->timer;
   timer.start(s);
@@ -592,29 +620,43 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
     timer.mark(s, "f.mlp_gemm");
   }
   const float* x_final = a.h[size_t(2 * L)].as<float>();
-  k::rms_norm_forward_train(x_final, R, d, final_norm.f(), eps, {a.hf_c.data(), kBf16},
+  // (gathered: the head's rows of the residual stream, x_head [Rh, d])
+  if (gathered)
+    k::embedding(a.head_rows.as<int32_t>(), Rh, x_final, nullptr, 0, kF32, d, a.x_head.as<float>(),
+                 s);
+  const float* x_head = gathered ? a.x_head.as<float>() : x_final;
+  k::rms_norm_forward_train(x_head, Rh, d, final_norm.f(), eps, {a.hf_c.data(), kBf16},
                             a.invf.as<float>(), s);
   timer.mark(s, "f.norm_residual");
   float* logits = a.logits.as<float>();
-  gemm.linear(kBf16, R, V, d, {a.hf_c.data(), d}, {lm_head.compute(), d}, {logits, kF32});
+  gemm.linear(kBf16, Rh, V, d, {a.hf_c.data(), d}, {lm_head.compute(), d}, {logits, kF32});
   timer.mark(s, "f.head_gemm");
   float* loss_sum = a.result.as<float>();
   int32_t* correct = offset<int32_t>(a.result, 1, 4);
   int32_t* scored = offset<int32_t>(a.result, 2, 4);
-  k::cross_entropy_forward_backward(logits, kF32, a.targets.as<int32_t>(), R, V, a.dy_c.data(),
-                                    kBf16, loss_sum, correct, scored, scratch, s);
+  const int32_t* head_targets = (gathered ? a.head_targets : a.targets).as<int32_t>();
+  k::cross_entropy_forward_backward(logits, kF32, head_targets, Rh, V, a.dy_c.data(), kBf16,
+                                    loss_sum, correct, scored, scratch, s);
   timer.mark(s, "ce");
   if (backward) {
     float* dh = a.dh.as<float>();
     float* dtmp = a.dtmp.as<float>();
     float* dan = a.dan.as<float>();
     // head: dhf = dlogits . lm_head, dlm_head += dlogits^T hf; then the final norm
-    linear_backward(gemm, wgrad, R, d, V, a.dy_c.data(), V, a.hf_c.data(), d, lm_head, {dtmp, kF32},
-                    false);
+    linear_backward(gemm, wgrad, Rh, d, V, a.dy_c.data(), V, a.hf_c.data(), d, lm_head,
+                    {dtmp, kF32}, false);
     timer.mark(s, "b.head_gemm");
     // (each norm backward also writes its dh in bf16 to dy_c, the next GEMM's input)
-    k::rms_norm_backward(x_final, dtmp, R, d, final_norm.f(), a.invf.as<float>(), dh,
-                         final_norm.g(), scratch, s, /*accumulate_dx=*/false, a.dy_c.data());
+    if (!gathered) {
+      k::rms_norm_backward(x_final, dtmp, R, d, final_norm.f(), a.invf.as<float>(), dh,
+                           final_norm.g(), scratch, s, /*accumulate_dx=*/false, a.dy_c.data());
+    } else {  // the scored rows' dh into dan, then scattered into a zero dh (rows distinct)
+      k::rms_norm_backward(x_head, dtmp, Rh, d, final_norm.f(), a.invf.as<float>(), dan,
+                           final_norm.g(), scratch, s, /*accumulate_dx=*/false);
+      check_cuda(cudaMemsetAsync(dh, 0, size_t(R * d) * 4, s), "cudaMemsetAsync (dh)");
+      k::embedding_backward(a.head_rows.as<int32_t>(), dan, Rh, d, R, dh, scratch, s);
+      k::convert(dh, kF32, a.dy_c.data(), kBf16, R * d, s);
+    }
     for (int64_t l = L - 1; l >= 0; --l) {
       Layer& W = layers_[size_t(l)];
       PerLayer& P = a.layers[size_t(l)];

@@ -54,6 +54,9 @@ class LineageCudaModel final : public DeviceTrainableModel {
 
  private:
   void ensure_activations(int64_t R);
+  // The scored rows (targets >= 0) of this call and their targets into head_rows_ /
+  // head_targets_; true when the head should run on them alone (some, and at most 7 in 8).
+  bool select_head_rows(const int32_t* targets, int64_t R);
   void mixer_forward(Layer& L, int64_t layer_index, int64_t B, int64_t T);
   void mixer_backward(Layer& L, int64_t layer_index, int64_t B, int64_t T);
   // The MLA mixer (lineage_cuda_mla.cpp).
@@ -71,6 +74,7 @@ class LineageCudaModel final : public DeviceTrainableModel {
                                                             std::span<const int64_t> cu);
 
   std::unique_ptr<LineageModel> host_;
+  std::vector<int32_t> head_rows_, head_targets_;
   std::unique_ptr<Engines> engines_;
   std::vector<Layer> layers_;
   std::unique_ptr<Activations> acts_;
