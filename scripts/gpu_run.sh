@@ -12,11 +12,13 @@
 #
 # --no-fla: everything but timing fla (a quicker call).
 # --model:  the model path (checks + benchmarks) and the delta-rule kernels' checks only.
-# --lab:    the open kernel experiments (docs/GPU_NOTES.md "What is left" item 5) in one call:
-#           kda_gpu_check --check (the lean state layout and the forced pipeline among its
-#           checks), the chunked forward rows under each knob combination (default; the
-#           pipeline forced onto batches; forced with one-tile lean state blocks, 8 and 16
-#           pieces), then kda_gpu_train --profile-recall (where a recall step's time goes).
+# --lab:    the open experiments in one short call: kda_gpu_check --check (the kernels, the
+#           lean state layout and the forced pipeline among them), the chunked forward rows
+#           with the defaults, kda_gpu_train --check (the lineage GPU trainer against the CPU
+#           one: the head over gathered scored rows and over all rows), then kda_gpu_train
+#           --profile-recall (where a recall step's time goes). Session 11 timed the knob
+#           combinations (docs/PERF.md): KDA_LAB_KNOBS="KDA_PIPELINE=2;..." times the rows again
+#           under each ';'-separated set.
 # --train:  training on the GPU only: one build (kda, kda_gpu_model, kda_gpu_train; needs
 #           gpu_carry/pcre2), the training kernels' checks (attention, attention_bwd,
 #           lineage_ops, linear_attn, train, gpt2_train, gemm), the lineage GPU trainer against the
@@ -66,13 +68,18 @@ if [ "$mode" = "--lab" ]; then
   grep -E "FAIL|NOTE" "$log_dir/lab_check.log" | head -20
   echo "checks: exit $status, $(grep -c "^CHECK.*PASS" "$log_dir/lab_check.log") pass," \
     "$(grep -c "^CHECK.*lean-state.*PASS" "$log_dir/lab_check.log") of them lean-state"
-  for knobs in "" "KDA_PIPELINE=2" "KDA_PIPELINE=2 KDA_STATE_NT=1 KDA_STATE_LEAN=1" \
-    "KDA_PIPELINE=2 KDA_STATE_NT=1 KDA_STATE_LEAN=1 KDA_PIPELINE_PIECES=16"; do
+  IFS=';' read -r -a knob_sets <<<"${KDA_LAB_KNOBS:-}"
+  for knobs in "" "${knob_sets[@]}"; do
     echo "== chunked forward rows with: ${knobs:-(defaults)}"
     # shellcheck disable=SC2086
     env $knobs KDA_BENCH_ONLY=chunk timeout 150 ./build-gpu-app/bin/kda_gpu_check --bench 2>&1 |
       grep -E "chunk_fwd (kda|kda-layer|gdn) "
   done
+  echo "== kda_gpu_train --check"
+  timeout 240 ./build-gpu-app/bin/kda_gpu_train --check >"$log_dir/lab_train_check.log" 2>&1 ||
+    status=1
+  grep -E "FAIL" "$log_dir/lab_train_check.log" | head -20
+  tail -1 "$log_dir/lab_train_check.log"
   echo "== kda_gpu_train --profile-recall"
   timeout 150 ./build-gpu-app/bin/kda_gpu_train --profile-recall 2>&1 | grep -E "PROFILE|BENCH"
   exit "$status"
