@@ -17,6 +17,7 @@
 
 #include "core/error.h"
 #include "core/random.h"
+#include "error_of.h"
 #include "tokenizer/tokenizer.h"
 #include "train/lineage_model.h"
 #include "train/text_data.h"
@@ -72,14 +73,7 @@ std::vector<int32_t> bytes_of(const std::string& text, bool eot = true) {
   return out;
 }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using kda::testing::error_of;
 
 TEST(TextData, FilesAreDocumentsInSortedOrderAndParagraphsSplitAtBlankLines) {
   TempDir dir("docs");

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "error_of.h"
 #include "run_command.h"
 #include "tokenizer/bpe.h"
 #include "tokenizer/gpt2_tokenizer.h"
@@ -588,14 +589,7 @@ TEST(TokenizerBpe, Gpt2RoundsMatchEncoderPyLoop) {
 
 // ---- bad input -------------------------------------------------------------------------------
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no kda::Error)";
-}
+using kda::testing::error_of;
 
 TEST(TokenizerFiles, BadRankFilesNameTheFileAndLine) {
   const fs::path dir = fs::temp_directory_path() / "kda_test_tok_bad";
