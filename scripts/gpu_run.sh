@@ -13,7 +13,7 @@
 # --no-fla: everything but timing fla (a quicker call).
 # --model:  the model path (checks + benchmarks) and the delta-rule kernels' checks only.
 # --lab:    the open experiments in one short call: kda_gpu_check --check (the kernels, the
-#           lean state layout and the forced pipeline among them), the chunked forward rows
+#           forced pipeline among them), the chunked forward rows
 #           with the defaults, kda_gpu_train --check (the lineage GPU trainer against the CPU
 #           one: the head over gathered scored rows and over all rows), then kda_gpu_train
 #           --profile-recall (where a recall step's time goes). Session 11 timed the knob
@@ -66,8 +66,7 @@ if [ "$mode" = "--lab" ]; then
   timeout 240 ./build-gpu-app/bin/kda_gpu_check --check >"$log_dir/lab_check.log" 2>&1
   status=$?
   grep -E "FAIL|NOTE" "$log_dir/lab_check.log" | head -20
-  echo "checks: exit $status, $(grep -c "^CHECK.*PASS" "$log_dir/lab_check.log") pass," \
-    "$(grep -c "^CHECK.*lean-state.*PASS" "$log_dir/lab_check.log") of them lean-state"
+  echo "checks: exit $status, $(grep -c "^CHECK.*PASS" "$log_dir/lab_check.log") pass"
   IFS=';' read -r -a knob_sets <<<"${KDA_LAB_KNOBS:-}"
   for knobs in "" "${knob_sets[@]}"; do
     echo "== chunked forward rows with: ${knobs:-(defaults)}"

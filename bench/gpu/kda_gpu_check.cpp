@@ -317,12 +317,10 @@ class ScopedEnv {
   bool had_ = false;
 };
 
-// The kernel-lab knobs a check runs under, for its name (" lean-state", " pipeline-forced",
-// " state-nt=1"): empty when none is set.
+// The kernel-lab knobs a check runs under, for its name (" pipeline-forced", " state-nt=1"):
+// empty when none is set.
 std::string knob_tags() {
   std::string tags;
-  const char* lean = std::getenv("KDA_STATE_LEAN");
-  if (lean && lean[0] == '1') tags += " lean-state";
   const char* pipeline = std::getenv("KDA_PIPELINE");
   if (pipeline && pipeline[0] == '2') tags += " pipeline-forced";
   if (const char* nt = std::getenv("KDA_STATE_NT")) tags += std::string(" state-nt=") + nt;
@@ -348,34 +346,6 @@ void check_forward(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV, int64
   const double tol = t == ElementType::bf16 ? 5e-3 : 1e-4;
   report(name, "o", rel_rms(got.o, ref.o), tol);
   report(name, "ht", rel_rms(got.ht, ref.ht), tol);
-}
-
-// chunk_state's lean layout (KDA_STATE_LEAN=1) computes the same products in the same order as
-// the default one-tile layout: o and ht must agree bit for bit (reported as the fraction of
-// elements that differ, tolerance 0).
-void check_lean_state_bits(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K,
-                           int64_t V, std::vector<int64_t> cu, uint64_t seed) {
-  DeltaRuleShape s{B, T, H, HV, K, V, gate, 0};
-  const Inputs in = make_inputs(s, cu, true, seed);
-  const Uploaded u = upload_all(in, ElementType::bf16);
-  const ForwardResult plain = run_forward(in, u, ElementType::bf16, false);
-  ForwardResult lean;
-  {
-    ScopedEnv knob("KDA_STATE_LEAN", "1");
-    lean = run_forward(in, u, ElementType::bf16, false);
-  }
-  auto differing = [](const std::vector<double>& a, const std::vector<double>& b) {
-    size_t n = 0;
-    for (size_t i = 0; i < a.size(); ++i) n += !(a[i] == b[i]);  // NaN differs
-    return a.empty() ? 1.0 : double(n) / double(a.size());
-  };
-  char name[160];
-  std::snprintf(name, sizeof name,
-                "lean-state vs default %s B%lld T%lld H%lld HV%lld K%lld V%lld%s", gate_name(gate),
-                (long long)B, (long long)T, (long long)H, (long long)HV, (long long)K, (long long)V,
-                cu.empty() ? "" : " varlen");
-  report(name, "o", differing(lean.o, plain.o), 0);
-  report(name, "ht", differing(lean.ht, plain.ht), 0);
 }
 
 // Backward: GPU (bf16) against the CPU fp32 chunked backward on the same rounded inputs.
@@ -975,32 +945,15 @@ void run_checks() {
   // here with sequences of different lengths (one of 1 token) and an initial state
   for (Gate gate : {Gate::channel, Gate::scalar})
     check_forward(gate, 1, 4200, 2, 4, 128, 128, {0, 2100, 2101, 4200}, true, bf, false, ++seed);
-  // the same with the lean state layout (KDA_STATE_LEAN=1: one Kd / M buffer, U in registers):
-  // against the reference, and bit for bit against the default layout; fixed seeds, so that
-  // the inputs of the checks below stay as they were
-  {
-    ScopedEnv knob("KDA_STATE_LEAN", "1");
-    for (Gate gate : {Gate::channel, Gate::scalar}) {
-      check_forward(gate, 1, 4200, 2, 4, 128, 128, {0, 2100, 2101, 4200}, true, bf, false, 901);
-      check_forward(gate, 1, 2047, 1, 2, 64, 64, {}, true, bf, false, 902);
-    }
-    check_kda_layer(1, 4200, 2, 4, 128, 128, {0, 2100, 2101, 4200}, true, true,
-                    KdaGate::lower_bound, 903);
-  }
   // the pipeline forced onto batch grids (KDA_PIPELINE=2, 4 pieces of 4 chunks): two-tile state
-  // blocks (the Gated DeltaNet raw path among them), and one-tile lean blocks (the experiment
-  // of GPU_NOTES "What is left" item 5 on batches)
+  // blocks (the Gated DeltaNet raw path among them), and one-tile blocks (KDA_STATE_NT=1);
+  // fixed seeds, so that the inputs of the checks below stay as they were
   {
     ScopedEnv forced("KDA_PIPELINE", "2"), pieces("KDA_PIPELINE_PIECES", "4");
     for (Gate gate : {Gate::channel, Gate::scalar})
       check_forward(gate, 3, 1024, 11, 22, 128, 128, {}, true, bf, false, 907);
-    ScopedEnv one_tile("KDA_STATE_NT", "1"), lean("KDA_STATE_LEAN", "1");
+    ScopedEnv one_tile("KDA_STATE_NT", "1");
     check_forward(Gate::channel, 3, 1024, 11, 22, 128, 128, {}, true, bf, false, 908);
-  }
-  for (Gate gate : {Gate::channel, Gate::scalar}) {
-    check_lean_state_bits(gate, 1, 4200, 2, 4, 128, 128, {0, 2100, 2101, 4200}, 904);
-    check_lean_state_bits(gate, 1, 2100, 1, 2, 128, 64, {}, 905);
-    check_lean_state_bits(gate, 1, 2100, 1, 2, 64, 128, {}, 906);
   }
   // KDA layer options in the kernel
   check_kda_layer(2, 130, 2, 4, 128, 128, {}, true, true, KdaGate::lower_bound, ++seed);
@@ -1036,10 +989,6 @@ void run_small() {
   // the pipelined forward (32 chunks: 8 pieces), KDA and the Gated DeltaNet raw q / k path
   check_forward(Gate::channel, 1, 2048, 1, 1, 64, 64, {}, true, ElementType::bf16, false, 13);
   check_forward(Gate::scalar, 1, 2048, 1, 1, 64, 64, {}, true, ElementType::bf16, false, 14);
-  {  // and with the lean state layout
-    ScopedEnv knob("KDA_STATE_LEAN", "1");
-    check_forward(Gate::channel, 1, 2048, 1, 1, 128, 128, {}, true, ElementType::bf16, false, 19);
-  }
   // two-tile state blocks (2 x 30 heads x 2 >= 0.9 x 132 SMs): the Gated DeltaNet raw path
   check_forward(Gate::scalar, 2, 70, 15, 30, 128, 128, {}, true, ElementType::bf16, false, 15);
 }
@@ -1267,18 +1216,6 @@ void run_bench(const std::string& out_path) {
       std::fflush(stdout);
       out << "chunk_fwd_" << gate_name(gate) << "\t" << sh.B << "x" << sh.T << "\t" << ms << "\t"
           << floor_ms << "\n";
-      // one long sequence (the pipelined forward): the lean state layout beside it, to decide
-      // whether it becomes the default there (two prepare blocks beside each state block)
-      if (sh.B == 1) {
-        ScopedEnv knob("KDA_STATE_LEAN", "1");
-        const double lean_ms = timer.median_ms(call, 3, 15);
-        setenv("KDA_CHUNK_STAGES", "state", 1);
-        const double lean_state_ms = timer.median_ms(call, 2, 10);
-        unsetenv("KDA_CHUNK_STAGES");
-        std::printf("BENCH chunk_fwd %s %lldx%lld lean-state: %.3f ms (state alone %.3f)\n",
-                    gate_name(gate), (long long)sh.B, (long long)sh.T, lean_ms, lean_state_ms);
-        std::fflush(stdout);
-      }
       // the KDA layer's in-kernel options (as fla's anchor: l2norm q / k, the lower-bound
       // gate from graw with A_log and dt_bias, sigmoid(braw)); the same tensors as raw inputs
       DeviceBuffer A_dev(H * 4), dt_dev(H * K * 4);
@@ -1316,12 +1253,6 @@ void run_bench(const std::string& out_path) {
         std::fflush(stdout);
         out << "chunk_fwd_kda_layer\t" << sh.B << "x" << sh.T << "\t" << layer_ms << "\t"
             << floor_ms << "\n";
-        if (sh.B == 1) {  // (the state walk is the plain row's: only the pipelined time)
-          ScopedEnv knob("KDA_STATE_LEAN", "1");
-          std::printf("BENCH chunk_fwd kda-layer %lldx%lld lean-state: %.3f ms\n", (long long)sh.B,
-                      (long long)sh.T, timer.median_ms(layer_call, 3, 15));
-          std::fflush(stdout);
-        }
       }
 
       // Forward + backward (as a training step: o and ht, then every gradient from do and dht).

@@ -68,7 +68,7 @@ PipelineStreams& pipeline_streams() {
 // The longest sequence's chunk count if the forward should be pipelined, else 0.
 int64_t pipeline_chunks(const ChunkPlan& plan, const DeltaRuleShape& s) {
   // Kernel-lab knob: KDA_PIPELINE=0 turns it off, KDA_PIPELINE=2 pipelines whatever the state
-  // grid (timing only: e.g. with the lean layout on batches, KDA_STATE_NT=1 KDA_STATE_LEAN=1).
+  // grid (timing only: e.g. one-tile state blocks on batches with KDA_STATE_NT=1).
   const char* knob = std::getenv("KDA_PIPELINE");
   if (knob && knob[0] == '0') return 0;
   const bool forced = knob && knob[0] == '2';
@@ -148,10 +148,6 @@ void chunk_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void* wo
   // Kernel-lab knob: KDA_GDN_RAW=0 keeps Qt / Kd in the workspace for Gated DeltaNet too.
   if (const char* raw = std::getenv("KDA_GDN_RAW")) ws.raw_qk = ws.raw_qk && raw[0] != '0';
 
-  // Kernel-lab knob: KDA_STATE_LEAN=1 runs one-tile state blocks in the lean layout (the
-  // pipelined forward's candidate: two prepare blocks beside each state block); off until timed.
-  if (const char* lean = std::getenv("KDA_STATE_LEAN"))
-    ws.lean_state = lean[0] == '1' && !chunk_state_wide(N, int(s.HV), int(s.V));
   const ChunkTokens x = chunk_tokens(in, layer, o, ht);
   // Kernel-lab knob: KDA_CHUNK_STAGES=prepare|state runs one stage alone (for timing only;
   // the output is then incomplete). Unset in normal use.

@@ -52,9 +52,6 @@ struct ChunkWorkspace {
   // chunk_state walks only the chunks [piece_begin, piece_end) of each sequence (indices within
   // the sequence); otherwise every chunk.
   int64_t piece_begin = -1, piece_end = 0;
-  // chunk_state's one-tile blocks in the lean layout (chunk_state.cu): 76 instead of 110 KB of
-  // shared memory, so that two chunk_prepare blocks fit beside one in the pipelined forward
-  bool lean_state = false;
   // Optional (backward only; null in the plain forward):
   __nv_bfloat16* X = nullptr;   // prepare: (I + L)^-1, [num_chunks, HV, C, C], zero above diag
   __nv_bfloat16* A = nullptr;   // prepare: decayed K K^T, strictly lower, [num_chunks, HV, C, C]

@@ -11,10 +11,6 @@
 //   NT = 2:        M double-buffered; Kd one buffer, fetched at the top of its own chunk (106 KB
 //                  of shared memory, so that two 8-warp blocks share an SM);
 //   NT = 2, RAW:   both one buffer, fetched at the top of their own chunk.
-//   NT = 1, LEAN:  both one buffer, fetched at the top of their own chunk, and U read from
-//                  global memory into registers a chunk ahead (no U tile): 76 KB, so that two
-//                  74 KB chunk_prepare blocks fit beside a state block in the pipelined forward
-//                  (ws.lean_state; the 110 KB layout leaves room for one).
 // Gated DeltaNet forward (ws.raw_qk, RAW = true): Q and K are the inputs q, k (zero rows past
 // the sequence end) and the chunk's G (log2 cumsum, C floats) replaces exp(G_C): P = Q S0 gets
 // the row factors scale 2^G_i, and the state update uses Dk = diag(2^(G_C - G_j)) D (a second
@@ -33,18 +29,17 @@ constexpr int C = kChunk;
 constexpr int BV = kStateTile;  // columns per group of 4 warps
 
 // NT groups of 4 warps share one block's W / Qt / Kd / M tiles and own NT * 32 columns.
-template <int K, int NT, bool RAW, bool LEAN>
+template <int K, int NT, bool RAW>
 struct StateLayout {
-  static_assert(!LEAN || (NT == 1 && !RAW), "the lean layout is for one-tile blocks");
-  static constexpr int kKdBuffers = NT == 1 && !LEAN ? 2 : 1;
-  static constexpr int kMBuffers = (RAW && NT == 2) || LEAN ? 1 : 2;
+  static constexpr int kKdBuffers = NT == 1 ? 2 : 1;
+  static constexpr int kMBuffers = RAW && NT == 2 ? 1 : 2;
   static constexpr int LDK = K + 8, LDM = C + 8, LDS = NT * BV + 8;
   static constexpr size_t bytes_k = size_t(C) * LDK * 2, bytes_m = size_t(C) * LDM * 2;
   static constexpr size_t bytes_d = size_t(C) * LDS * 2;
   static constexpr size_t off_w = 0, off_q = bytes_k, off_kd = 2 * bytes_k;
   static constexpr size_t off_m = off_kd + kKdBuffers * bytes_k;
-  static constexpr size_t off_u = off_m + kMBuffers * bytes_m;  // no U tile when LEAN
-  static constexpr size_t off_s = off_u + (LEAN ? 0 : bytes_d);
+  static constexpr size_t off_u = off_m + kMBuffers * bytes_m;
+  static constexpr size_t off_s = off_u + bytes_d;
   static constexpr size_t off_d = off_s + size_t(K) * LDS * 2;
   static constexpr size_t off_dk = off_d + bytes_d;  // RAW only
   static constexpr size_t off_gc = off_dk + (RAW ? bytes_d : 0);
@@ -52,10 +47,10 @@ struct StateLayout {
   static constexpr size_t total = off_gc + (RAW ? 2 : kKdBuffers) * K * 4;
 };
 
-template <int K, int V, int NT, bool RAW, bool LEAN>
+template <int K, int V, int NT, bool RAW>
 __global__ void __launch_bounds__(128 * NT, 2)
     chunk_state_kernel(const ChunkTokens x, const ChunkWorkspace ws) {
-  using L = StateLayout<K, NT, RAW, LEAN>;
+  using L = StateLayout<K, NT, RAW>;
   constexpr int kThreads = 128 * NT;
   constexpr int LDK = L::LDK, LDM = L::LDM, LDS = L::LDS;
   constexpr int MT = K / 64;                     // 16-row state tiles per warp
@@ -122,24 +117,10 @@ __global__ void __launch_bounds__(128 * NT, 2)
       if constexpr (!RAW) cp_async16(sQ + i * LDK + c, ws.Qt + (base + i) * K + c);
     }
     if constexpr (RAW) load_raw(sQ, x.q, chunk);
-    if constexpr (!LEAN) {
-      for (int idx = tid; idx < C * NT * BV / 8; idx += kThreads) {
-        const int i = idx / (NT * BV / 8), c = (idx % (NT * BV / 8)) * 8;
-        cp_async16(sU + i * LDS + c, ws.U + (base + i) * V + col0 + c);
-      }
+    for (int idx = tid; idx < C * NT * BV / 8; idx += kThreads) {
+      const int i = idx / (NT * BV / 8), c = (idx % (NT * BV / 8)) * 8;
+      cp_async16(sU + i * LDS + c, ws.U + (base + i) * V + col0 + c);
     }
-  };
-  // LEAN: the thread's own U values of `chunk` (the D step's fragment positions), loaded a
-  // chunk ahead so that their latency hides behind the rest of the current chunk
-  [[maybe_unused]] uint32_t u_regs[BV / 8][2];
-  auto load_u_regs = [&](int64_t chunk) {
-    const bf16* u = ws.U + (size_t(chunk) * x.HV + hv) * C * V + col0 + cg + 2 * tq;
-#pragma unroll
-    for (int nt = 0; nt < BV / 8; ++nt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half)
-        u_regs[nt][half] = __ldg(reinterpret_cast<const unsigned int*>(
-            u + size_t(16 * warp + gr + 8 * half) * V + 8 * nt));
   };
   auto load_m = [&](int64_t chunk, int buf) {
     const size_t base = (size_t(chunk) * x.HV + hv) * C;
@@ -186,7 +167,6 @@ __global__ void __launch_bounds__(128 * NT, 2)
 
   if (nchunks > 0) {
     load_wqu(chunk0, 0);
-    if constexpr (LEAN) load_u_regs(chunk0);
     if constexpr (kMAhead) load_m(chunk0, 0);
     if constexpr (kKdAhead) load_kd(chunk0, 0);
   }
@@ -230,7 +210,7 @@ __global__ void __launch_bounds__(128 * NT, 2)
       if (ci + 1 < nchunks) load_m(chunk + 1, buf ^ 1);
       cp_async_commit();  // possibly empty: keeps the group count the waits below assume
     } else {
-      // RAW / LEAN: this chunk's K (Kd), G and M (needed after the D step); W / Q / U first
+      // RAW: this chunk's K, G and M (needed after the D step); W / Q / U of this chunk first
       load_kd(chunk, 0);
       load_m(chunk, 0);
       cp_async_commit();
@@ -268,8 +248,7 @@ __global__ void __launch_bounds__(128 * NT, 2)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = 16 * warp + gr + 8 * half, c = cg + 8 * nt + 2 * tq;
-        const float2 u = unpack_bf16(LEAN ? u_regs[nt][half]
-                                          : *reinterpret_cast<const uint32_t*>(sU + r * LDS + c));
+        const float2 u = unpack_bf16(*reinterpret_cast<const uint32_t*>(sU + r * LDS + c));
         const uint32_t d = pack_bf16(u.x - accD[nt][2 * half], u.y - accD[nt][2 * half + 1]);
         *reinterpret_cast<uint32_t*>(sD + r * LDS + c) = d;
         if constexpr (RAW) {  // Dk = 2^(G_C - G_r) D for the state update
@@ -286,13 +265,10 @@ __global__ void __launch_bounds__(128 * NT, 2)
       if constexpr (kMAhead)
         cp_async_wait<1>();  // this chunk's Kd (M of the next may fly)
       else
-        cp_async_wait<0>();  // RAW / LEAN: this chunk's K (Kd), G and M
+        cp_async_wait<0>();  // RAW: this chunk's K, G and M
     }
     __syncthreads();
-    if (ci + 1 < nchunks) {
-      load_wqu(chunk + 1, buf ^ 1);
-      if constexpr (LEAN) load_u_regs(chunk + 1);
-    }
+    if (ci + 1 < nchunks) load_wqu(chunk + 1, buf ^ 1);
     cp_async_commit();
 
     if constexpr (RAW) {  // P rows times scale 2^G_i
@@ -377,16 +353,15 @@ __global__ void __launch_bounds__(128 * NT, 2)
   }
 }
 
-template <int K, int V, int NT, bool RAW, bool LEAN = false>
+template <int K, int V, int NT, bool RAW>
 void launch(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, cudaStream_t stream) {
-  using L = StateLayout<K, NT, RAW, LEAN>;
+  using L = StateLayout<K, NT, RAW>;
   static const bool configured = [] {
-    check_cuda(cudaFuncSetAttribute(chunk_state_kernel<K, V, NT, RAW, LEAN>,
+    check_cuda(cudaFuncSetAttribute(chunk_state_kernel<K, V, NT, RAW>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::total)),
                "chunk_state shared memory limit");
-    // two blocks per SM need 2 x 106 KB (NT = 2) or 2 x 110 KB (NT = 1), and a lean block
-    // beside two prepare blocks 76 + 2 x 74 KB: all of L1 as shared memory
-    check_cuda(cudaFuncSetAttribute(chunk_state_kernel<K, V, NT, RAW, LEAN>,
+    // two blocks per SM need 2 x 106 KB (NT = 2) or 2 x 110 KB (NT = 1): all of L1 as smem
+    check_cuda(cudaFuncSetAttribute(chunk_state_kernel<K, V, NT, RAW>,
                                     cudaFuncAttributePreferredSharedMemoryCarveout,
                                     int(cudaSharedmemCarveoutMaxShared)),
                "chunk_state shared memory carveout");
@@ -394,7 +369,7 @@ void launch(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, cu
   }();
   (void)configured;
   const dim3 grid(unsigned(V / (NT * BV)), unsigned(x.HV), unsigned(num_seqs));
-  chunk_state_kernel<K, V, NT, RAW, LEAN><<<grid, 128 * NT, L::total, stream>>>(x, ws);
+  chunk_state_kernel<K, V, NT, RAW><<<grid, 128 * NT, L::total, stream>>>(x, ws);
   check_launch("chunk_state kernel");
 }
 
@@ -403,8 +378,6 @@ void launch_nt(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs,
                cudaStream_t stream) {
   if (chunk_state_wide(num_seqs, x.HV, V))
     launch<K, V, 2, RAW>(x, ws, num_seqs, stream);
-  else if (!RAW && ws.lean_state)
-    launch<K, V, 1, false, true>(x, ws, num_seqs, stream);
   else
     launch<K, V, 1, RAW>(x, ws, num_seqs, stream);
 }
