@@ -61,7 +61,7 @@ build_app() {
 }
 
 if [ "$mode" = "--lab" ]; then
-  build_app kda_gpu_check kda_gpu_train
+  build_app kda kda_gpu_check kda_gpu_train  # (kda: scripts/recall_grid.sh can start next)
   echo "== kda_gpu_check --check"
   timeout 240 ./build-gpu-app/bin/kda_gpu_check --check >"$log_dir/lab_check.log" 2>&1
   status=$?
