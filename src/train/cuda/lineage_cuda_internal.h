@@ -82,9 +82,9 @@ struct LineageCudaModel::Activations {
                                            // mixer, h[2l + 1] its MLP, h[2L] the final norm
   std::vector<PerLayer> layers;
   ops::cuda::DeviceBuffer invf, hf_c, logits;
-  // the head over the scored rows only (select_head_rows): their row indices and targets
-  // (int32 [R]) and their final residual rows (fp32 [R, d])
-  ops::cuda::DeviceBuffer head_rows, head_targets, x_head;
+  // the head over the scored rows only (select_head_rows): their row indices (int32 [R]) and
+  // final residual rows (fp32 [R, d]); `targets` then holds their targets alone
+  ops::cuda::DeviceBuffer head_rows, x_head;
   ops::cuda::DeviceBuffer dh, dtmp, dan, dy_c, d32a, do_c, dq_c, dk_c, dv_c, dg_c, db_c, dA, ddt,
       dlinear32, workspace;
   ops::cuda::DeviceBuffer dact_c;  // the MLP's d(act) (bf16 [R, F]), what its SwiGLU reads

@@ -159,7 +159,6 @@ void LineageCudaModel::ensure_activations(int64_t R) {
   a->invf = f32(R);
   a->hf_c = bf(R * d);
   a->head_rows = DeviceBuffer(size_t(R) * 4);
-  a->head_targets = DeviceBuffer(size_t(R) * 4);
   a->x_head = f32(R * d);
   // fp32 logits (bf16 ones cost MQAR's loss curve 8 % against the CPU's at 150 steps: confident
   // logits of ~16 round by 0.06); their gradients go to dy_c in bf16, what the GEMMs read
@@ -563,21 +562,19 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
 
   check_cuda(cudaMemcpyAsync(a.ids.data(), inputs, size_t(R) * 4, cudaMemcpyHostToDevice, s),
              "cudaMemcpyAsync (ids)");
-  check_cuda(cudaMemcpyAsync(a.targets.data(), targets, size_t(R) * 4, cudaMemcpyHostToDevice, s),
-             "cudaMemcpyAsync (targets)");
   // The final norm, the head's GEMMs and the cross-entropy run over the scored rows only when
   // at most 7 in 8 are scored (MQAR scores 1 in 8, Palindrome 1 in 2): unscored rows get no
   // gradient either way, and the head is a quarter of a recall model's step at vocab 8192.
   const bool gathered = select_head_rows(targets, R);
   const int64_t Rh = gathered ? int64_t(head_rows_.size()) : R;
-  if (gathered) {
+  if (gathered)
     check_cuda(cudaMemcpyAsync(a.head_rows.data(), head_rows_.data(), size_t(Rh) * 4,
                                cudaMemcpyHostToDevice, s),
                "cudaMemcpyAsync (head rows)");
-    check_cuda(cudaMemcpyAsync(a.head_targets.data(), head_targets_.data(), size_t(Rh) * 4,
-                               cudaMemcpyHostToDevice, s),
-               "cudaMemcpyAsync (head targets)");
-  }
+  // the head's targets: the gathered rows' (all scored) or every row's
+  check_cuda(cudaMemcpyAsync(a.targets.data(), gathered ? head_targets_.data() : targets,
+                             size_t(Rh) * 4, cudaMemcpyHostToDevice, s),
+             "cudaMemcpyAsync (targets)");
   k::sequence_positions(cu_seqlens_, B, T, a.positions.as<int32_t>(), s);
   model::cuda::StageTimer& timer = engines_->timer;
   timer.start(s);
@@ -634,9 +631,8 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
   float* loss_sum = a.result.as<float>();
   int32_t* correct = offset<int32_t>(a.result, 1, 4);
   int32_t* scored = offset<int32_t>(a.result, 2, 4);
-  const int32_t* head_targets = (gathered ? a.head_targets : a.targets).as<int32_t>();
-  k::cross_entropy_forward_backward(logits, kF32, head_targets, Rh, V, a.dy_c.data(), kBf16,
-                                    loss_sum, correct, scored, scratch, s);
+  k::cross_entropy_forward_backward(logits, kF32, a.targets.as<int32_t>(), Rh, V, a.dy_c.data(),
+                                    kBf16, loss_sum, correct, scored, scratch, s);
   timer.mark(s, "ce");
   if (backward) {
     float* dh = a.dh.as<float>();
