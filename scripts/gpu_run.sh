@@ -16,9 +16,11 @@
 #           forced pipeline among them), the chunked forward rows
 #           with the defaults, kda_gpu_train --check (the lineage GPU trainer against the CPU
 #           one: the head over gathered scored rows and over all rows), then kda_gpu_train
-#           --profile-recall (where a recall step's time goes). Session 11 timed the knob
-#           combinations (docs/PERF.md): KDA_LAB_KNOBS="KDA_PIPELINE=2;..." times the rows again
-#           under each ';'-separated set.
+#           --profile-recall (where a recall step's time goes). The checks and the trainer's
+#           checks run a second time with KDA_STATE_WGMMA=1 (the wgmma state walk), and the rows
+#           are timed again under each ';'-separated knob set of KDA_LAB_KNOBS (default: the
+#           wgmma walk, then it without the pipeline, then without the GDN raw path, then the
+#           state walk alone, mma.sync and wgmma).
 # --train:  training on the GPU only: one build (kda, kda_gpu_model, kda_gpu_train; needs
 #           gpu_carry/pcre2), the training kernels' checks (attention, attention_bwd,
 #           lineage_ops, linear_attn, train, gpt2_train, gemm), the lineage GPU trainer against the
@@ -67,7 +69,14 @@ if [ "$mode" = "--lab" ]; then
   status=$?
   grep -E "FAIL|NOTE" "$log_dir/lab_check.log" | head -20
   echo "checks: exit $status, $(grep -c "^CHECK.*PASS" "$log_dir/lab_check.log") pass"
-  IFS=';' read -r -a knob_sets <<<"${KDA_LAB_KNOBS:-}"
+  # the wgmma state walk (chunk_state_wgmma.cu, session 12, compiled only): every check again
+  # with it in place of the mma.sync walk (forward, pipelined, backward recompute, trainer)
+  echo "== kda_gpu_check --check with KDA_STATE_WGMMA=1"
+  KDA_STATE_WGMMA=1 timeout 240 ./build-gpu-app/bin/kda_gpu_check --check \
+    >"$log_dir/lab_check_wgmma.log" 2>&1 || status=1
+  grep -E "FAIL|NOTE" "$log_dir/lab_check_wgmma.log" | head -20
+  echo "wgmma checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_check_wgmma.log") pass"
+  IFS=';' read -r -a knob_sets <<<"${KDA_LAB_KNOBS:-KDA_STATE_WGMMA=1;KDA_STATE_WGMMA=1 KDA_PIPELINE=0;KDA_STATE_WGMMA=1 KDA_GDN_RAW=0;KDA_CHUNK_STAGES=state;KDA_CHUNK_STAGES=state KDA_STATE_WGMMA=1}"
   for knobs in "" "${knob_sets[@]}"; do
     echo "== chunked forward rows with: ${knobs:-(defaults)}"
     # shellcheck disable=SC2086
@@ -79,6 +88,11 @@ if [ "$mode" = "--lab" ]; then
     status=1
   grep -E "FAIL" "$log_dir/lab_train_check.log" | head -20
   tail -1 "$log_dir/lab_train_check.log"
+  echo "== KDA_STATE_WGMMA=1 kda_gpu_train --check"
+  KDA_STATE_WGMMA=1 timeout 240 ./build-gpu-app/bin/kda_gpu_train --check \
+    >"$log_dir/lab_train_check_wgmma.log" 2>&1 || status=1
+  grep -E "FAIL" "$log_dir/lab_train_check_wgmma.log" | head -20
+  tail -1 "$log_dir/lab_train_check_wgmma.log"
   echo "== kda_gpu_train --profile-recall"
   timeout 150 ./build-gpu-app/bin/kda_gpu_train --profile-recall 2>&1 | grep -E "PROFILE|BENCH"
   exit "$status"

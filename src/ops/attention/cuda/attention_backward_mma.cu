@@ -31,6 +31,7 @@
 
 #include "ops/attention/cuda/attention_backward_kernels.cuh"
 #include "ops/attention/cuda/attention_kernels.cuh"
+#include "ops/common/device_attributes.h"
 #include "ops/delta_rule/cuda/device_common.cuh"
 
 namespace kda::ops::cuda_detail {
@@ -493,7 +494,7 @@ bool launch(const AttentionBwdParams& p, cudaStream_t stream) {
   static_assert(kAttentionBwdRowPad % BQ == 0, "workspace rows must cover whole query tiles");
   const size_t smem_dkdv = dkdv_smem_bytes<DKP, DVP, BQ>();
   const size_t smem_dq = dq_smem_bytes<DKP, DVP, MT>();
-  const size_t limit = size_t(attention_max_smem());
+  const size_t limit = size_t(device_max_smem_optin());
   if (smem_dkdv > limit || smem_dq > limit) return false;
 
   auto dkdv = attention_bwd_dkdv_kernel<DKP, DVP, BQ>;

@@ -25,7 +25,8 @@
 
 #include "ops/attention/cuda/attention_backward_kernels.cuh"
 #include "ops/attention/cuda/attention_kernels.cuh"
-#include "ops/attention/cuda/wgmma.cuh"
+#include "ops/common/device_attributes.h"
+#include "ops/common/wgmma.cuh"
 
 namespace kda::ops::cuda_detail {
 
@@ -336,7 +337,7 @@ bool launch_attention_bwd_wgmma(const AttentionBwdParams& p, cudaStream_t stream
   if (!attention_wgmma_enabled() || p.dq_accum == nullptr) return false;
   if (p.Dk != kD || p.Dv != kD) return false;
   static_assert(kAttentionBwdRowPad % kBQ == 0, "workspace rows must cover whole query tiles");
-  if (kSmemLaunch > size_t(attention_max_smem())) return false;
+  if (kSmemLaunch > size_t(device_max_smem_optin())) return false;
   const int64_t dq_floats = int64_t(p.batch) * p.Tq * p.Hq * kD;
   check_cuda(cudaMemsetAsync(p.dq_accum, 0, size_t(dq_floats) * sizeof(float), stream),
              "cudaMemsetAsync (attention dQ sums)");
@@ -347,7 +348,7 @@ bool launch_attention_bwd_wgmma(const AttentionBwdParams& p, cudaStream_t stream
   attention_bwd_wgmma_kernel<<<grid, kThreads, kSmemLaunch, stream>>>(p);
   check_launch("attention_bwd_wgmma_kernel");
   const int64_t quads = dq_floats / 4;
-  const int blocks = int(std::min<int64_t>((quads + 255) / 256, 16 * attention_sm_count()));
+  const int blocks = int(std::min<int64_t>((quads + 255) / 256, 16 * device_sm_count()));
   attention_bwd_dq_cast_kernel<<<blocks, 256, 0, stream>>>(p);
   check_launch("attention_bwd_dq_cast_kernel");
   return true;

@@ -10,58 +10,17 @@
 
 #include "core/error.h"
 #include "ops/attention/cuda/attention_kernels.cuh"
+#include "ops/common/device_attributes.h"
 #include "ops/delta_rule/cuda/device_common.cuh"
 
 namespace kda::ops::cuda_detail {
-
-int attention_max_smem() {
-  static int cached[64] = {};
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  if (device < 0 || device >= 64) device = 0;
-  if (cached[device] == 0) {
-    int bytes = 0;
-    check_cuda(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-               "cudaDeviceGetAttribute (shared memory)");
-    cached[device] = bytes;
-  }
-  return cached[device];
-}
-
-int attention_cc_major() {
-  static int cached[64] = {};
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  if (device < 0 || device >= 64) device = 0;
-  if (cached[device] == 0) {
-    int major = 0;
-    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-               "cudaDeviceGetAttribute (compute capability)");
-    cached[device] = std::max(1, major);
-  }
-  return cached[device];
-}
-
-int attention_sm_count() {
-  static int cached[64] = {};
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  if (device < 0 || device >= 64) device = 0;
-  if (cached[device] == 0) {
-    int sms = 0;
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-               "cudaDeviceGetAttribute (SM count)");
-    cached[device] = std::max(1, sms);
-  }
-  return cached[device];
-}
 
 bool attention_wgmma_enabled() {
   static const bool disabled = [] {
     const char* env = std::getenv("KDA_ATTENTION_WGMMA");
     return env != nullptr && std::string_view(env) == "0";
   }();
-  return !disabled && attention_cc_major() == 9;
+  return !disabled && device_cc_major() == 9;
 }
 
 bool attention_wide_rows(int64_t Tq, int Hq, int batch) {
@@ -71,7 +30,7 @@ bool attention_wide_rows(int64_t Tq, int Hq, int batch) {
   }();
   if (forced == 16 || forced == 32) return forced == 32;
   const int64_t blocks = (Tq + 127) / 128 * int64_t(Hq) * batch;
-  return Tq >= 128 && blocks >= 3 * int64_t(attention_sm_count());
+  return Tq >= 128 && blocks >= 3 * int64_t(device_sm_count());
 }
 
 dim3 attention_tile_grid(int64_t tiles, int heads, int batch) {
@@ -218,8 +177,7 @@ Plan make_plan(const AttentionArgs& a) {
   const int64_t tile = bulk_blocks > 0 ? kAttentionBulkKeyTile : kAttentionKeyTile;
   const int64_t tiles = ceil_div(kv_len, tile);
   const int64_t max_splits = bulk_blocks > 0 ? std::max<int64_t>(1, tiles / 2) : tiles;
-  int64_t want =
-      ceil_div(int64_t(attention_sm_count()) * std::max(1, bulk_blocks), blocks_per_split);
+  int64_t want = ceil_div(int64_t(device_sm_count()) * std::max(1, bulk_blocks), blocks_per_split);
   want = std::clamp<int64_t>(want, 1, std::min<int64_t>(max_splits, kAttentionMaxSplits));
   plan.split_len = ceil_div(tiles, want) * tile;
   plan.nsplit = int(ceil_div(kv_len, plan.split_len));

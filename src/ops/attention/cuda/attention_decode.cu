@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "ops/attention/cuda/attention_kernels.cuh"
+#include "ops/common/device_attributes.h"
 #include "ops/delta_rule/cuda/device_common.cuh"
 
 namespace kda::ops::cuda_detail {
@@ -395,7 +396,7 @@ bool launch(const AttentionParams& p, int dkp, bool v_alias, cudaStream_t stream
   constexpr int kRows = 16 * RB;
   const int dvp = DVW * kWarps;
   const size_t smem = decode_smem_bytes(kRows, dkp, dvp, v_alias);
-  if (smem > size_t(attention_max_smem())) return false;
+  if (smem > size_t(device_max_smem_optin())) return false;
   auto kernel = attention_decode_kernel<RB, DVW>;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
              "cudaFuncSetAttribute (attention_decode_kernel)");
@@ -446,7 +447,7 @@ void launch_attention_combine(const AttentionParams& p, cudaStream_t stream) {
   cudaLaunchAttribute attribute = {};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
-  if (attention_cc_major() >= 9) {
+  if (device_cc_major() >= 9) {
     config.attrs = &attribute;
     config.numAttrs = 1;
   }

@@ -24,6 +24,7 @@
 
 #include "ops/attention/cuda/attention_kernels.cuh"
 #include "ops/common/async_copy.cuh"
+#include "ops/common/device_attributes.h"
 #include "ops/delta_rule/cuda/device_common.cuh"
 
 namespace kda::ops::cuda_detail {
@@ -338,7 +339,7 @@ struct BulkKernel {
     if (device < 0 || device >= 64) device = 0;
     if (cached[device] == 0) {
       int blocks = -1;
-      if (S::kSmem <= size_t(attention_max_smem())) {
+      if (S::kSmem <= size_t(device_max_smem_optin())) {
         auto kernel = attention_decode_bulk_kernel<RB, DKP, DVP, VA>;
         check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         int(S::kSmem)),
@@ -375,7 +376,7 @@ bool takes(int64_t Dk, int64_t Dv, bool v_alias) {
 
 int attention_decode_bulk_blocks_per_sm(int64_t Dk, int64_t Dv, int64_t rows_per_kv_head,
                                         bool v_alias) {
-  if (!takes(Dk, Dv, v_alias) || attention_cc_major() < 9) return 0;
+  if (!takes(Dk, Dv, v_alias) || device_cc_major() < 9) return 0;
   return rows_per_kv_head <= 16 ? BulkKernel<1, 576, 512, true>::blocks_per_sm()
                                 : BulkKernel<2, 576, 512, true>::blocks_per_sm();
 }
@@ -385,7 +386,7 @@ bool launch_attention_decode_bulk(const AttentionParams& p, cudaStream_t stream)
   if (p.q_stride % 8 != 0 || p.k_stride % 8 != 0 || p.v_stride % 8 != 0) return false;
   if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v)) return false;
   const bool v_alias = p.v == p.k && p.v_stride == p.k_stride && p.Hkv == 1 && p.Dv <= p.Dk;
-  if (!takes(p.Dk, p.Dv, v_alias) || attention_cc_major() < 9) return false;
+  if (!takes(p.Dk, p.Dv, v_alias) || device_cc_major() < 9) return false;
   const int64_t R = int64_t(p.group) * p.Tq;
   return R <= 16 ? BulkKernel<1, 576, 512, true>::launch(p, stream)
                  : BulkKernel<2, 576, 512, true>::launch(p, stream);

@@ -105,9 +105,6 @@ constexpr int kAttentionMaxDv = 512;       // MLA's latent width
 constexpr int kAttentionMaxSplits = 256;
 
 // Largest dynamic shared memory a block may opt into on the current device (cached).
-int attention_max_smem();
-int attention_sm_count();
-int attention_cc_major();  // compute capability major of the current device (cached)
 // Whether the wgmma (sm_90a) kernels may run: on a compute capability 9 device unless
 // KDA_ATTENTION_WGMMA=0 (side-by-side timing and checking of the mma.sync kernels).
 bool attention_wgmma_enabled();

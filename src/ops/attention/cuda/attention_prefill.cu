@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "ops/attention/cuda/attention_kernels.cuh"
+#include "ops/common/device_attributes.h"
 #include "ops/delta_rule/cuda/device_common.cuh"
 
 namespace kda::ops::cuda_detail {
@@ -325,7 +326,7 @@ template <int DKQ, int DVP, int MT = 1>
 bool launch(const AttentionParams& p, int dkp, cudaStream_t stream) {
   constexpr int rows = 16 * MT * kWarps;
   const size_t smem = prefill_smem_bytes(rows, dkp, DVP);
-  if (smem > size_t(attention_max_smem())) return false;
+  if (smem > size_t(device_max_smem_optin())) return false;
   auto kernel = attention_prefill_kernel<DKQ, DVP, MT>;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
              "cudaFuncSetAttribute (attention_prefill_kernel)");

@@ -28,7 +28,8 @@
 
 #include "ops/attention/cuda/attention_kernels.cuh"
 #include "ops/attention/cuda/tma.cuh"
-#include "ops/attention/cuda/wgmma.cuh"
+#include "ops/common/device_attributes.h"
+#include "ops/common/wgmma.cuh"
 
 namespace kda::ops::cuda_detail {
 
@@ -357,7 +358,7 @@ bool launch_attention_prefill_tma(const AttentionParams& p, cudaStream_t stream)
   };
   if (!aligned(p.q, 16) || !aligned(p.k, 16) || !aligned(p.v, 16)) return false;
   if (p.o_bf16 != nullptr ? !aligned(p.o_bf16, 4) : !aligned(p.o, 8)) return false;
-  if (kSmemLaunch > size_t(attention_max_smem())) return false;
+  if (kSmemLaunch > size_t(device_max_smem_optin())) return false;
   CUtensorMap map_q, map_k, map_v;
   if (!head_map(&map_q, p.q, p.Hq, p.Tq, p.q_stride, p.q_bstride, p.batch, kBM) ||
       !head_map(&map_k, p.k, p.Hkv, p.Tk, p.k_stride, p.k_bstride, p.batch, kBN) ||

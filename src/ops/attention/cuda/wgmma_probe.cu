@@ -12,7 +12,8 @@
 
 #include "ops/attention/cuda/attention_kernels.cuh"
 #include "ops/attention/cuda/tma.cuh"
-#include "ops/attention/cuda/wgmma.cuh"
+#include "ops/common/device_attributes.h"
+#include "ops/common/wgmma.cuh"
 
 namespace kda::ops::cuda_detail {
 
@@ -176,7 +177,7 @@ __global__ void __launch_bounds__(128, 1)
 
 bool run_tma_probe(const void* a, const void* b, const void* p, const void* v, float* s, float* o,
                    float* o_swapped, cudaStream_t stream) {
-  if (attention_cc_major() != 9) return false;
+  if (device_cc_major() != 9) return false;
   CUtensorMap maps[3];
   const uint64_t dims[2] = {128, 64}, strides[1] = {256};
   const uint32_t box[2] = {64, 64};
@@ -194,7 +195,7 @@ bool run_tma_probe(const void* a, const void* b, const void* p, const void* v, f
 
 bool run_wgmma_probe(const void* a, const void* b, const void* p, const void* v, float* s, float* o,
                      cudaStream_t stream) {
-  if (attention_cc_major() != 9) return false;
+  if (device_cc_major() != 9) return false;
   wgmma_probe_kernel<<<1, 128, 0, stream>>>(
       static_cast<const bf16*>(a), static_cast<const bf16*>(b), static_cast<const bf16*>(p),
       static_cast<const bf16*>(v), s, o);

@@ -73,10 +73,16 @@ int64_t pipeline_chunks(const ChunkPlan& plan, const DeltaRuleShape& s) {
   if (knob && knob[0] == '0') return 0;
   const bool forced = knob && knob[0] == '2';
   // only for one-tile state blocks (at most one per SM): beside two-tile blocks (2 x 8192
-  // tokens: 128 blocks of 8 warps) the pipeline measured slower (1.036 against 0.925 ms)
-  if (!forced && (chunk_state_wide(plan.num_seqs, int(s.HV), int(s.V)) ||
-                  chunk_state_blocks(plan.num_seqs, int(s.HV), int(s.V)) > device_sm_count()))
-    return 0;
+  // tokens: 128 blocks of 8 warps) the pipeline measured slower (1.036 against 0.925 ms). The
+  // wgmma state walk (one warpgroup, 106 KB) leaves room for a prepare block beside each of
+  // its blocks; pipelined when they fit in one wave (not yet measured against the plain order:
+  // KDA_PIPELINE=0 times that).
+  const bool room =
+      chunk_state_uses_wgmma(int(s.K), int(s.V))
+          ? chunk_state_wgmma_blocks(plan.num_seqs, int(s.HV), int(s.V)) <= device_sm_count()
+          : !chunk_state_wide(plan.num_seqs, int(s.HV), int(s.V)) &&
+                chunk_state_blocks(plan.num_seqs, int(s.HV), int(s.V)) <= device_sm_count();
+  if (!forced && !room) return 0;
   const int64_t* seq_nchunks = plan.tables.data() + 2 * plan.num_chunks + plan.num_seqs;
   const int64_t longest = *std::max_element(seq_nchunks, seq_nchunks + plan.num_seqs);
   return longest >= 4 * pipeline_pieces() ? longest : 0;  // pieces of >= 4 chunks
@@ -144,7 +150,9 @@ void chunk_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void* wo
   // measured faster: with two-tile state blocks (prepare -10%, state about even); with
   // one-tile blocks (one long sequence) the state walk lost more (2.57 against 2.21 ms at
   // 1 x 65536) than prepare gained (0.15 ms)
-  ws.raw_qk = s.gate == Gate::scalar && chunk_state_wide(N, int(s.HV), int(s.V));
+  // (the wgmma walk takes the raw path on every grid: not yet measured without it)
+  ws.raw_qk = s.gate == Gate::scalar && (chunk_state_uses_wgmma(int(s.K), int(s.V)) ||
+                                         chunk_state_wide(N, int(s.HV), int(s.V)));
   // Kernel-lab knob: KDA_GDN_RAW=0 keeps Qt / Kd in the workspace for Gated DeltaNet too.
   if (const char* raw = std::getenv("KDA_GDN_RAW")) ws.raw_qk = ws.raw_qk && raw[0] != '0';
 

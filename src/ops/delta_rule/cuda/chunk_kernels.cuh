@@ -29,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "ops/common/device_attributes.h"
 #include "ops/delta_rule/delta_rule.h"
 
 namespace kda::ops::cuda_detail {
@@ -57,6 +58,33 @@ struct ChunkWorkspace {
   __nv_bfloat16* A = nullptr;   // prepare: decayed K K^T, strictly lower, [num_chunks, HV, C, C]
   __nv_bfloat16* S0 = nullptr;  // state: state entering each chunk, [num_chunks, HV, K, V]
   __nv_bfloat16* D = nullptr;   // state: D = U - W S0, [num_chunks, HV, C, V]
+};
+
+// The chunks a state walk visits for sequence n: all of them, or (ws.piece_begin >= 0) those
+// of the pipelined forward's piece; each chunk's first token and length are computed from the
+// sequence's as chunk_plan lays them out (not loaded: a table load would put an L2 round trip
+// into every chunk's chain).
+struct WalkedChunks {
+  int64_t seq_chunk0, seq_bos, seq_len;
+  int64_t first, count;  // chunks [first, first + count)
+  __device__ WalkedChunks(const ChunkWorkspace& ws, int64_t n)
+      : seq_chunk0(ws.seq_chunk0[n]),
+        seq_bos(ws.seq_bos[n]),
+        seq_len(ws.seq_len[n]),
+        first(seq_chunk0),
+        count(ws.seq_nchunks[n]) {
+    if (ws.piece_begin >= 0) {
+      const int64_t b = ws.piece_begin < count ? ws.piece_begin : count;
+      const int64_t e = ws.piece_end < count ? ws.piece_end : count;
+      first += b;
+      count = e - b;
+    }
+  }
+  __device__ int64_t tok0(int64_t chunk) const { return seq_bos + (chunk - seq_chunk0) * kChunk; }
+  __device__ int len(int64_t chunk) const {
+    const int64_t left = seq_len - (chunk - seq_chunk0) * kChunk;
+    return int(left < kChunk ? left : kChunk);
+  }
 };
 
 // A KDA layer's in-kernel options (fla's chunk_kda use_qk_l2norm_in_kernel, use_gate_in_kernel,
@@ -107,7 +135,14 @@ void launch_chunk_state(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t 
 // value head) pairs for about one per SM, else blocks of 4 warps (one tile).
 bool chunk_state_wide(int64_t num_seqs, int HV, int V);
 int64_t chunk_state_blocks(int64_t num_seqs, int HV, int V);
-int device_sm_count();  // of the current device (cached per device)
+// chunk_state_wgmma.cu: the same walk on wgmma (sm_90a), one warpgroup per 64 state columns
+// (kernel lab: KDA_STATE_WGMMA=1 on a compute-capability-9 device; launch_chunk_state then
+// takes it; chunk_state_wide / chunk_state_blocks describe the mma.sync walk only, its grid is
+// chunk_state_wgmma_blocks).
+bool chunk_state_uses_wgmma(int K, int V);
+int64_t chunk_state_wgmma_blocks(int64_t num_seqs, int HV, int V);
+void launch_chunk_state_wgmma(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs,
+                              int K, int V, cudaStream_t stream);
 void launch_chunk_state_bwd(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd,
                             int64_t num_seqs, int K, int V, cudaStream_t stream);
 void launch_chunk_bwd_local(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd,

@@ -72,22 +72,10 @@ __global__ void __launch_bounds__(128 * NT, 2)
   const int h = hv / (x.HV / x.H);
   const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, group = tid >> 7;
   const int gr = lane >> 2, tq = lane & 3;
-  // the chunks walked: all of the sequence, or those of the piece (pipelined forward)
-  const int64_t seq_chunk0 = ws.seq_chunk0[n], seq_bos = ws.seq_bos[n], seq_len = ws.seq_len[n];
-  int64_t chunk0 = seq_chunk0, nchunks = ws.seq_nchunks[n];
-  // first token and length of a chunk of this sequence, as chunk_plan lays them out (computed,
-  // not loaded: a table load here would put an L2 round trip into every chunk's chain)
-  auto chunk_tok0 = [&](int64_t chunk) { return seq_bos + (chunk - seq_chunk0) * C; };
-  auto chunk_len = [&](int64_t chunk) {
-    const int64_t left = seq_len - (chunk - seq_chunk0) * C;
-    return int(left < C ? left : C);
-  };
-  if (ws.piece_begin >= 0) {
-    const int64_t b = ws.piece_begin < nchunks ? ws.piece_begin : nchunks;
-    const int64_t e = ws.piece_end < nchunks ? ws.piece_end : nchunks;
-    chunk0 += b;
-    nchunks = e - b;
-  }
+  const WalkedChunks walk(ws, n);
+  const int64_t chunk0 = walk.first, nchunks = walk.count;
+  auto chunk_tok0 = [&](int64_t chunk) { return walk.tok0(chunk); };
+  auto chunk_len = [&](int64_t chunk) { return walk.len(chunk); };
   const int mrow0 = warp * (K / 4);
   const int col0 = vt * NT * BV;  // first state column of the block
   const int cg = group * BV;      // this warp group's columns within the block's tiles
@@ -393,17 +381,6 @@ void launch_kv(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs,
 
 }  // namespace
 
-int device_sm_count() {
-  static int counts[64] = {};
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  if (device < 0 || device >= 64) return 132;
-  if (!counts[device])
-    check_cuda(cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device),
-               "SM count");
-  return counts[device];
-}
-
 bool chunk_state_wide(int64_t num_seqs, int HV, int V) {
   // Two column tiles per block halve the L2 traffic of the shared tiles and, at 106 KB of
   // shared memory, two blocks still share an SM; one tile per block when two-tile blocks would
@@ -419,6 +396,7 @@ int64_t chunk_state_blocks(int64_t num_seqs, int HV, int V) {
 
 void launch_chunk_state(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, int K,
                         int V, cudaStream_t stream) {
+  if (chunk_state_uses_wgmma(K, V)) return launch_chunk_state_wgmma(x, ws, num_seqs, K, V, stream);
   if (ws.raw_qk)
     launch_kv<true>(x, ws, num_seqs, K, V, stream);
   else

@@ -34,6 +34,7 @@
 
 #include "core/error.h"
 #include "ops/common/async_copy.cuh"
+#include "ops/common/device_attributes.h"
 #include "ops/common/sequences.h"
 #include "ops/delta_rule/cuda/delta_rule_cuda.h"
 #include "ops/delta_rule/cuda/device_common.cuh"
@@ -567,14 +568,6 @@ bool decode_overlap(const DecodeArgs& a) {
   return a.overlap_launch;
 }
 
-int multiprocessors() {
-  int device = 0, count = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device),
-             "cudaDeviceGetAttribute (multiprocessors)");
-  return count;
-}
-
 bool use_head_kernel(const DecodeArgs& a, const DeltaRuleShape& s) {
   DecodeKernel kernel = a.kernel;
   if (kernel == DecodeKernel::automatic) {
@@ -594,7 +587,7 @@ bool use_head_kernel(const DecodeArgs& a, const DeltaRuleShape& s) {
   }
   if (kernel == DecodeKernel::tile || !head_fits) return false;
   // automatic: the head kernel once the tile kernel needs more than one wave (8 blocks per SM)
-  static const int sms = multiprocessors();
+  static const int sms = device_sm_count();
   return s.B * s.HV * (s.V / kTile) > int64_t(8) * sms;
 }
 
@@ -637,7 +630,7 @@ void decode_state_copy(const DecodeArgs& a, cudaStream_t stream) {
   const int64_t state_vecs = state_floats / 4, per_chunk = int64_t(kCopyThreads) * kCopyPerThread;
   const int64_t chunks_per_state = (state_vecs + per_chunk - 1) / per_chunk;
   const int64_t chunks = chunks_per_state * s.B;
-  static const int sms = multiprocessors();
+  static const int sms = device_sm_count();
   const int64_t resident = int64_t(2048 / kCopyThreads) * sms;  // 8 blocks of 256 per SM
   const dim3 grid(unsigned(std::min(chunks, resident)));
   launch_maybe_overlapped(decode_state_copy_kernel, grid, kCopyThreads, decode_overlap(a), stream,

@@ -1,6 +1,7 @@
 // wgmma (sm_90a) building blocks: shared-memory matrix descriptors for 128-byte-swizzled K-major
-// tiles, and the two products the attention forward needs (m64n64k16 with A and B from shared
-// memory, m64n128k16 with A from registers). bf16 inputs, fp32 accumulators.
+// tiles, and the products the attention kernels and the delta-rule state walk
+// (chunk_state_wgmma.cu) need: m64n64k16 with A and B from shared memory, m64n64k16 and
+// m64n128k16 with A from registers. bf16 inputs, fp32 accumulators.
 //
 // Layout of a K-major tile (rows x 64 bf16 = 128 bytes a row, the K dimension contiguous): the
 // 16-byte chunk c of row r sits at r * 128 + ((c ^ (r % 8)) * 16), the tile 1024-byte aligned
@@ -69,15 +70,17 @@ __device__ __forceinline__ void fence_operands(uint32_t (&x)[N][4]) {
     for (int e = 0; e < 4; ++e) fence_operand(x[i][e]);
 }
 
-// `rows` rows of 128 bf16 (16 chunks of 16 bytes, from src at `stride` elements a row) by cp.async
-// into two 128-byte-swizzled column tiles `col_bytes` apart; rows >= valid are zero-filled. Every
-// thread of the block (tid of kThreads) takes a share.
-template <int kThreads>
+// `rows` rows of kWidth bf16 (kWidth / 8 chunks of 16 bytes, from src at `stride` elements a
+// row) by cp.async into kWidth / 64 128-byte-swizzled column tiles `col_bytes` apart; rows >=
+// valid are zero-filled. Every thread of the block (tid of kThreads) takes a share.
+template <int kThreads, int kWidth = 128>
 __device__ __forceinline__ void load_rows_sw128(unsigned char* dst, uint32_t col_bytes,
                                                 const __nv_bfloat16* src, int64_t stride, int rows,
                                                 int valid, int tid) {
-  for (int idx = tid; idx < rows * 16; idx += kThreads) {
-    const int r = idx >> 4, c = idx & 15;
+  static_assert(kWidth % 64 == 0, "whole 64-column tiles");
+  constexpr int kPerRow = kWidth / 8;
+  for (int idx = tid; idx < rows * kPerRow; idx += kThreads) {
+    const int r = idx / kPerRow, c = idx % kPerRow;
     unsigned char* d = dst + (c >> 3) * col_bytes + sw128_offset(r, (c & 7) * 8);
     if (r < valid)
       cp_async16(d, src + int64_t(r) * stride + c * 8);
@@ -126,6 +129,23 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t a, u
         "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
         "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// d (64 x 64, fp32) += A (64 x 16, registers: the m16k16 fragment of each warp's rows)
+// B (16 x 64, descriptor, K-major)
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4],
+                                                   uint64_t b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+      "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, "
+      "1, 1, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
 // d (64 x 128, fp32) += A (64 x 16, registers: the m16k16 fragment of each warp's rows)
