@@ -19,7 +19,8 @@
 #           --profile-recall (where a recall step's time goes). The checks and the trainer's
 #           checks run a second time with KDA_STATE_WGMMA=1 (the wgmma state walk), and the rows
 #           are timed again under each ';'-separated knob set of KDA_LAB_KNOBS (default: the
-#           wgmma walk, then it without the pipeline, then without the GDN raw path, then the
+#           wgmma walk, then it without the pipeline, without the GDN raw path, with GDN's M
+#           from chunk_prepare instead of formed in the walk (KDA_GDN_STATE_M=0), then the
 #           state walk alone, mma.sync and wgmma).
 # --train:  training on the GPU only: one build (kda, kda_gpu_model, kda_gpu_train; needs
 #           gpu_carry/pcre2), the training kernels' checks (attention, attention_bwd,
@@ -76,7 +77,7 @@ if [ "$mode" = "--lab" ]; then
     >"$log_dir/lab_check_wgmma.log" 2>&1 || status=1
   grep -E "FAIL|NOTE" "$log_dir/lab_check_wgmma.log" | head -20
   echo "wgmma checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_check_wgmma.log") pass"
-  IFS=';' read -r -a knob_sets <<<"${KDA_LAB_KNOBS:-KDA_STATE_WGMMA=1;KDA_STATE_WGMMA=1 KDA_PIPELINE=0;KDA_STATE_WGMMA=1 KDA_GDN_RAW=0;KDA_CHUNK_STAGES=state;KDA_CHUNK_STAGES=state KDA_STATE_WGMMA=1}"
+  IFS=';' read -r -a knob_sets <<<"${KDA_LAB_KNOBS:-KDA_STATE_WGMMA=1;KDA_STATE_WGMMA=1 KDA_PIPELINE=0;KDA_STATE_WGMMA=1 KDA_GDN_RAW=0;KDA_STATE_WGMMA=1 KDA_GDN_STATE_M=0;KDA_CHUNK_STAGES=state;KDA_CHUNK_STAGES=state KDA_STATE_WGMMA=1}"
   for knobs in "" "${knob_sets[@]}"; do
     echo "== chunked forward rows with: ${knobs:-(defaults)}"
     # shellcheck disable=SC2086

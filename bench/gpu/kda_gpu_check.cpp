@@ -869,6 +869,106 @@ void check_decode_step(Gate gate, int64_t B, int64_t H, int64_t HV, int64_t K, E
   report(name, "==", rel_rms(untouched_now, untouched_before), 0.0);
 }
 
+// A speculative decode step: B sequences of T tokens each, from random states in scrambled
+// slots of a pool (noise in the other slots), against the float64 recurrence: o of every token,
+// and either the state after every token (token_slots) or the final state in place; slots that
+// nothing should write, bit for bit (with token_slots that includes every sequence's own slot).
+void check_decode_tokens(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K,
+                         ElementType t, bool keep_every_token, cuda::DecodeKernel kernel,
+                         uint64_t seed) {
+  const int64_t V = 128;
+  const DeltaRuleShape s{B, T, H, HV, K, V, gate, 0};
+  const Inputs in = make_inputs(s, {}, true, seed);
+  const Uploaded u = upload_all(in, t);
+  const std::vector<double> g_rounded = in.g.empty() ? std::vector<double>{} : u.g.rounded;
+  // the float64 recurrence over each prefix of 1 .. T tokens
+  auto prefix = [&](const std::vector<double>& x, int64_t per_token, int64_t t1) {
+    std::vector<double> y;
+    for (int64_t b = 0; b < B; ++b)
+      y.insert(y.end(), x.begin() + (b * T) * per_token, x.begin() + (b * T + t1) * per_token);
+    return y;
+  };
+  const int64_t gw = gate == Gate::channel ? HV * K : gate == Gate::scalar ? HV : 0;
+  std::vector<Reference> refs;
+  for (int64_t t1 = 1; t1 <= T; ++t1) {
+    Inputs pin = in;
+    pin.shape.T = t1;
+    pin.tokens = B * t1;
+    refs.push_back(reference(pin, prefix(u.q.rounded, H * K, t1), prefix(u.k.rounded, H * K, t1),
+                             prefix(u.v.rounded, HV * V, t1),
+                             gw ? prefix(g_rounded, gw, t1) : std::vector<double>{},
+                             prefix(u.beta.rounded, HV, t1), u.h0_rounded));
+  }
+  // B sequence slots, then B x T token slots, from 2B + BT + 3 slots in shuffled order
+  const int64_t token_n = keep_every_token ? B * T : 0, slots_n = 2 * B + token_n + 3;
+  const int64_t state = HV * K * V;
+  Random rng(seed + 7);
+  std::vector<int32_t> order(slots_n);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng.engine());
+  const std::vector<int32_t> slot(order.begin(), order.begin() + B);
+  const std::vector<int32_t> token_slot(order.begin() + B, order.begin() + B + token_n);
+  std::vector<float> pool_host(slots_n * state);
+  rng.fill_normal(pool_host);
+  for (int64_t b = 0; b < B; ++b)
+    std::copy(in.h0.begin() + b * state, in.h0.begin() + (b + 1) * state,
+              pool_host.begin() + slot[b] * state);
+  DeviceBuffer pool(pool_host.size() * 4), slots_dev(B * 4), token_slots_dev(token_n * 4 + 4);
+  ck(cudaMemcpy(pool.ptr, pool_host.data(), pool.bytes, cudaMemcpyHostToDevice), "pool");
+  ck(cudaMemcpy(slots_dev.ptr, slot.data(), B * 4, cudaMemcpyHostToDevice), "slots");
+  if (token_n)
+    ck(cudaMemcpy(token_slots_dev.ptr, token_slot.data(), token_n * 4, cudaMemcpyHostToDevice),
+       "token slots");
+  DeviceBuffer o(B * T * HV * V * (t == ElementType::bf16 ? 2 : 4));
+  poison(o);
+  cuda::DecodeArgs a;
+  a.shape = s;
+  a.dtype = t;
+  a.q = u.q.device.ptr, a.k = u.k.device.ptr, a.v = u.v.device.ptr;
+  a.g = in.g.empty() ? nullptr : u.g.device.ptr;
+  a.beta = u.beta.device.ptr;
+  a.state_pool = pool.as<float>();
+  a.slots = slots_dev.as<int32_t>();
+  a.num_slots = slots_n;
+  a.o = o.ptr;
+  a.tokens = int(T);
+  a.token_slots = token_n ? token_slots_dev.as<int32_t>() : nullptr;
+  a.kernel = kernel;
+  cuda::decode_step(a, nullptr);
+  ck(cudaDeviceSynchronize(), "speculative decode step");
+  const auto pool_after = download(pool.ptr, slots_n * state, ElementType::f32);
+  auto state_at = [&](const auto& p, int64_t at) {
+    return std::vector<double>(p.begin() + at * state, p.begin() + (at + 1) * state);
+  };
+  char name[200];
+  std::snprintf(name, sizeof name, "decode tokens %s %s %s B%lld T%lld H%lld HV%lld K%lld %s",
+                kernel_name(kernel), gate_name(gate), t == ElementType::bf16 ? "bf16" : "fp32",
+                (long long)B, (long long)T, (long long)H, (long long)HV, (long long)K,
+                keep_every_token ? "every token's state" : "in place");
+  report(name, "o", rel_rms(download(o.ptr, B * T * HV * V, t), refs.back().o),
+         t == ElementType::bf16 ? 5e-3 : 1e-5);
+  std::vector<double> got, want, untouched_now, untouched_before;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t1 = 1; t1 <= T; ++t1) {
+      if (!keep_every_token && t1 < T) continue;
+      const int64_t at = keep_every_token ? token_slot[b * T + t1 - 1] : slot[b];
+      const auto now = state_at(pool_after, at);
+      got.insert(got.end(), now.begin(), now.end());
+      const auto& ht = refs[t1 - 1].ht;
+      want.insert(want.end(), ht.begin() + b * state, ht.begin() + (b + 1) * state);
+    }
+  }
+  report(name, "states", rel_rms(got, want), 1e-5);
+  // untouched: the noise slots, and with token_slots every sequence's own slot
+  for (int64_t sl = keep_every_token ? 0 : B; sl < slots_n; ++sl) {
+    if (sl >= B && sl < B + token_n) continue;
+    const auto now = state_at(pool_after, order[sl]), before = state_at(pool_host, order[sl]);
+    untouched_now.insert(untouched_now.end(), now.begin(), now.end());
+    untouched_before.insert(untouched_before.end(), before.begin(), before.end());
+  }
+  report(name, "==", rel_rms(untouched_now, untouched_before), 0.0);
+}
+
 // --decode: --check runs run_decode_checks() alone, --bench the ceilings and decode rows alone.
 bool g_decode_only = false;
 
@@ -895,6 +995,17 @@ void run_decode_checks() {
   check_decode_step(Gate::channel, 5, 2, 4, 32, bf, head, ++ds);
   check_decode_step(Gate::none, 16, 4, 8, 128, bf, head, ++ds);
   check_decode_step(Gate::none, 16, 4, 8, 128, bf, tile, ds);
+  // a few tokens per sequence (speculative decoding): every token's state kept or in place, the
+  // production head count and grouped value heads, fp32 inputs, K = 64; one token with token
+  // slots on both kernels
+  const auto automatic = cuda::DecodeKernel::automatic;
+  for (Gate gate : {Gate::channel, Gate::scalar, Gate::none}) {
+    check_decode_tokens(gate, 16, 4, 32, 32, 128, bf, true, automatic, ++ds);
+    check_decode_tokens(gate, 3, 5, 2, 4, 128, bf, false, automatic, ++ds);
+  }
+  check_decode_tokens(Gate::channel, 7, 3, 2, 4, 64, f32, true, automatic, ++ds);
+  check_decode_tokens(Gate::channel, 16, 1, 4, 8, 128, bf, true, head, ++ds);
+  check_decode_tokens(Gate::channel, 16, 1, 4, 8, 128, bf, true, tile, ds);
 }
 
 void run_checks() {
@@ -1454,6 +1565,61 @@ void run_bench(const std::string& out_path) {
           << "\n";
       if (gate == Gate::channel)
         out << "decode_same_size_copy\tB" << B << "\t" << ceiling_ms << "\t" << floor_ms << "\n";
+    }
+  }
+
+  // Speculative decoding (KDA, B = 16, the last accepted token and 3 drafts: 4 tokens a
+  // sequence): the step with the final state in place, and keeping every token's state (4x the
+  // state writes), against one-token steps' bytes. Rotating slot sets as above.
+  if (!chunk_only) {
+    const int64_t B = 16, T = 4, slots_n = 1024, sets = 8;
+    DeviceBuffer pool(size_t(slots_n) * H * K * V * 4);
+    ck(cudaMemset(pool.ptr, 0, pool.bytes), "pool");
+    std::vector<int32_t> slots(size_t(sets) * B), token_slots(size_t(sets) * B * T);
+    Random rng(99);
+    for (int64_t si = 0; si < sets; ++si) {
+      std::vector<int32_t> perm(slots_n);
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), rng.engine());
+      std::copy(perm.begin(), perm.begin() + B, slots.begin() + si * B);
+      std::copy(perm.begin() + B, perm.begin() + B + B * T, token_slots.begin() + si * B * T);
+    }
+    DeviceBuffer slots_dev(slots.size() * 4), token_slots_dev(token_slots.size() * 4);
+    ck(cudaMemcpy(slots_dev.ptr, slots.data(), slots_dev.bytes, cudaMemcpyHostToDevice), "slots");
+    ck(cudaMemcpy(token_slots_dev.ptr, token_slots.data(), token_slots_dev.bytes,
+                  cudaMemcpyHostToDevice),
+       "token slots");
+    const int64_t n = B * T;
+    DeviceBuffer q(n * H * K * 2), k(n * H * K * 2), v(n * H * V * 2), g(n * H * K * 2),
+        beta(n * H * 2), o(n * H * V * 2);
+    fill_device_random_bf16(q, n * H * K, 31, -1, 1, true, int(K));
+    fill_device_random_bf16(k, n * H * K, 32, -1, 1, true, int(K));
+    fill_device_random_bf16(v, n * H * V, 33, -1, 1);
+    fill_device_random_bf16(g, n * H * K, 34, -0.5f, -0.01f);
+    fill_device_random_bf16(beta, n * H, 35, 0.1f, 0.9f);
+    cuda::DecodeArgs a;
+    a.shape = DeltaRuleShape{B, T, H, H, K, V, Gate::channel, 0};
+    a.q = q.ptr, a.k = k.ptr, a.v = v.ptr, a.g = g.ptr, a.beta = beta.ptr, a.o = o.ptr;
+    a.state_pool = pool.as<float>();
+    a.num_slots = slots_n;
+    a.tokens = int(T);
+    for (bool keep : {false, true}) {
+      const double ms = timer.median_ms(
+          [&](int rep) {
+            a.slots = slots_dev.as<int32_t>() + size_t(rep % sets) * B;
+            a.token_slots =
+                keep ? token_slots_dev.as<int32_t>() + size_t(rep % sets) * B * T : nullptr;
+            cuda::decode_step(a, nullptr);
+          },
+          5, 30, 10);
+      const double bytes = double(B) * H * K * V * 4 * (keep ? 1 + T : 2);
+      std::printf(
+          "BENCH decode kda B=%lld tokens=%lld (speculative, %s): %.4f ms, state %.2f TB/s "
+          "= %.0f%% of copy\n",
+          (long long)B, (long long)T, keep ? "every token's state kept" : "in place", ms,
+          bytes / (ms * 1e-3) / 1e12, 100 * bytes / (ms * 1e-3) / 1e12 / copy_tbs);
+      out << (keep ? "decode_kda_spec_keep" : "decode_kda_spec") << "\tB" << B << "T" << T << "\t"
+          << ms << "\t" << bytes / (copy_tbs * 1e12) * 1e3 << "\n";
     }
   }
 }

@@ -7,7 +7,8 @@ It moves values the way the kernel's threads do: cp.async into 128-byte-swizzled
 ldmatrix .trans, wgmma reading K-major operands through a descriptor start plus 32-byte k-steps
 with 1024 bytes from one 8-row group to the next, register A fragments in the mma.sync m16k16
 layout, and the accumulator layout of wgmma.cuh. It then holds D, P, O and the new state to a
-direct computation, for K = 64 and 128, with and without Gated DeltaNet's raw path. Small
+direct computation, for K = 64 and 128, with and without Gated DeltaNet's raw path, and with M
+formed in the walk (FORM_M: Q K^T masked and decayed, then register A fragments). Small
 integers keep every product exact.
 
 What it cannot say: whether the hardware reads a descriptor the way desc_elem() assumes (the
@@ -77,7 +78,7 @@ def ldmatrix_x4_trans(sm,addr_of_tid):
                 # trans: thread gets (stored[2t][g], stored[2t+1][g])
                 out.setdefault(32*w+lane,[None]*4)[jm]=(rows[2*t][g],rows[2*t+1][g])
     return out
-def run(K,RAW,seed=1):
+def run(K,RAW,FORM_M=False,seed=1):
     random.seed(seed)
     MT=K//64; bytes_k=(K//64)*kTile
     off_w=0; off_q=bytes_k; off_u=2*bytes_k; off_m=off_u+kTile; off_kd=off_m+2*kTile
@@ -123,12 +124,18 @@ def run(K,RAW,seed=1):
             pairs[tid]=[[(s[4*j+2*h],s[4*j+2*h+1]) for h in range(2)] for j in range(8)]
         store_transposed(off_sd+mt*kTile,pairs)
     accD={tid:[0.0]*32 for tid in range(128)}; accP={tid:[0.0]*32 for tid in range(128)}
+    accM={tid:[0.0]*32 for tid in range(128)}
     for ks in range(K//16):
         off=(ks>>2)*kTile+(ks&3)*32
         wgmma_ss(accD,sm,off_w+off,off_sd+off,ks>0)
     for ks in range(K//16):
         off=(ks>>2)*kTile+(ks&3)*32
         wgmma_ss(accP,sm,off_q+off,off_sd+off,ks>0)
+    kd=off_kd+buf*bytes_k
+    if FORM_M:  # RAW: the k rows sit in the Kd buffer; M = Q K^T from the two tiles
+        for ks in range(K//16):
+            off=(ks>>2)*kTile+(ks&3)*32
+            wgmma_ss(accM,sm,off_q+off,kd+off,ks>0)
     # reference
     Dref=[[U[i][n]-sum(W[i][k]*S0[k][n] for k in range(K)) for n in range(64)] for i in range(C)]
     Pref=[[sum(Q[i][k]*S0[k][n] for k in range(K)) for n in range(64)] for i in range(C)]
@@ -153,10 +160,22 @@ def run(K,RAW,seed=1):
                     dkp[j][h]=(d[0]*dk_f[h],d[1]*dk_f[h])
                     accP[tid][4*j+2*h]*=p_f[h]; accP[tid][4*j+2*h+1]*=p_f[h]
         dpairs[tid]=dp; dkpairs[tid]=dkp
+    afm={}
+    if FORM_M:  # masked, decayed, scaled: then register A fragments (lo, hi pairs) per 16 columns
+        for tid,w,lane,g,t in lanes():
+            a=accM[tid]
+            for j in range(8):
+                for h in range(2):
+                    row=16*w+g+8*h
+                    for e in range(2):
+                        col=8*j+2*t+e
+                        a[4*j+2*h+e]=0.5*2**(gc[row]-gc[col])*a[4*j+2*h+e] if col<=row else 0.0
+            for J in range(4):
+                afm[(tid,J)]=[(a[8*J+2*i],a[8*J+2*i+1]) for i in range(4)]
+        Mform=[[0.5*2**(gc[i]-gc[j])*sum(Q[i][k]*Kd[j][k] for k in range(K)) if j<=i else 0.0 for j in range(C)] for i in range(C)]
     store_transposed(off_sd,dpairs)
     if RAW: store_transposed(off_dk,dkpairs)
     sDkT=off_dk if RAW else off_sd
-    kd=off_kd+buf*bytes_k
     akd={}
     for mt in range(MT):
         for J in range(4):
@@ -175,7 +194,11 @@ def run(K,RAW,seed=1):
             for j in range(8):
                 S[tid][mt][4*j]*=ga;S[tid][mt][4*j+1]*=ga;S[tid][mt][4*j+2]*=gb;S[tid][mt][4*j+3]*=gb
     m=off_m+buf*kTile
-    for J in range(4): wgmma_ss(accP,sm,m+J*32,off_sd+J*32,1)
+    if FORM_M:
+        for J in range(4): wgmma_rs(accP,{tid:afm[(tid,J)] for tid in range(128)},sm,off_sd+J*32)
+        M=Mform
+    else:
+        for J in range(4): wgmma_ss(accP,sm,m+J*32,off_sd+J*32,1)
     for mt in range(MT):
         Smt={tid:S[tid][mt] for tid in range(128)}
         for J in range(4):
@@ -198,7 +221,7 @@ def run(K,RAW,seed=1):
                     rr=64*mt+r
                     for e in range(2):
                         assert abs(S[tid][mt][4*j+2*h+e]-Sref[rr][c+e])<1e-6*max(1,abs(Sref[rr][c+e])),("S",rr,c+e,S[tid][mt][4*j+2*h+e],Sref[rr][c+e])
-    print("ok K=%d RAW=%s"%(K,RAW))
+    print("ok K=%d RAW=%s FORM_M=%s"%(K,RAW,FORM_M))
 for K in (64,128):
-    for RAW in (False,True):
-        run(K,RAW)
+    for RAW,FORM_M in ((False,False),(True,False),(True,True)):
+        run(K,RAW,FORM_M)

@@ -155,6 +155,11 @@ void chunk_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void* wo
                                          chunk_state_wide(N, int(s.HV), int(s.V)));
   // Kernel-lab knob: KDA_GDN_RAW=0 keeps Qt / Kd in the workspace for Gated DeltaNet too.
   if (const char* raw = std::getenv("KDA_GDN_RAW")) ws.raw_qk = ws.raw_qk && raw[0] != '0';
+  // On the wgmma walk the raw path also forms M there (prepare skips it). Kernel-lab knob:
+  // KDA_GDN_STATE_M=0 keeps M in the workspace.
+  const char* state_m = std::getenv("KDA_GDN_STATE_M");
+  ws.m_in_state =
+      ws.raw_qk && chunk_state_uses_wgmma(int(s.K), int(s.V)) && !(state_m && state_m[0] == '0');
 
   const ChunkTokens x = chunk_tokens(in, layer, o, ht);
   // Kernel-lab knob: KDA_CHUNK_STAGES=prepare|state runs one stage alone (for timing only;

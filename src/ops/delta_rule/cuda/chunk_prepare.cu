@@ -297,10 +297,14 @@ __global__ void __launch_bounds__(kThreads, 3)
 
   // ---- phase 3: M = scale * masked(Q K^T decayed) -> workspace, L = beta * strict(K K^T) ----
   // 26 units spread over the 8 warps (3 or 4 each): the 10 lower 16x16 blocks (J <= I) of M,
-  // the 10 of L, and the 6 upper blocks of M (and A) that are zero.
+  // the 10 of L, and the 6 upper blocks of M (and A) that are zero. With ws.m_in_state (the
+  // state walk forms M) only L's 10 (and A's zero blocks for the backward).
   {
     const bf16* Bop = kChannel ? sKn : sKs;
-    for (int u = warp; u < 26; u += 8) {
+    const bool form_m = !ws.m_in_state;
+    const int units = form_m ? 26 : ws.A ? 16 : 10;
+    for (int unit = warp; unit < units; unit += 8) {
+      const int u = form_m ? unit : 10 + unit;
       if (u < 20) {
         const bool is_m = u < 10;
         const int b = is_m ? u : u - 10;
@@ -361,7 +365,7 @@ __global__ void __launch_bounds__(kThreads, 3)
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int r = 16 * I + gr + 8 * half, j = 16 * J + 8 * nt + 2 * tq;
-            *reinterpret_cast<uint32_t*>(ws.M + (row_base + r) * C + j) = 0u;
+            if (form_m) *reinterpret_cast<uint32_t*>(ws.M + (row_base + r) * C + j) = 0u;
             if (ws.A) *reinterpret_cast<uint32_t*>(ws.A + (row_base + r) * C + j) = 0u;
           }
         }

@@ -19,6 +19,9 @@
 // (the pipelined forward).
 // Gated DeltaNet (ws.raw_qk, RAW): Q and K are the inputs' q, k rows and G replaces exp(G_C), as in
 // chunk_state.cu: P rows scaled by scale 2^G_i, the state update against Dk = 2^(G_C - G_j) D.
+// With ws.m_in_state (FORM_M, RAW only) M = scale 2^(G_i - G_j) (Q K^T)_ij (j <= i) is formed here,
+// a third product of phase 1 on the q / k tiles already held, and enters O += M D as register A
+// fragments (the attention forward's P V): chunk_prepare then skips M, and no M tile is loaded.
 // Backward recompute: S0 and D (bf16, as the products saw them) written when ws.S0 / ws.D are set.
 //
 // Kernel lab: selected by KDA_STATE_WGMMA=1 (chunk_state_uses_wgmma below; launch_chunk_state
@@ -89,10 +92,11 @@ __device__ __forceinline__ void store_transposed(unsigned char* tile, const uint
 }
 #endif
 
-template <int K, int V, bool RAW>
+template <int K, int V, bool RAW, bool FORM_M>
 __global__ void __launch_bounds__(kThreads, 2)
     chunk_state_wgmma_kernel(const ChunkTokens x, const ChunkWorkspace ws) {
 #ifdef KDA_WGMMA
+  static_assert(RAW || !FORM_M, "M is formed in the walk on the raw path only");
   using L = WgmmaStateLayout<K, RAW>;
   constexpr int MT = K / 64;  // m64 tiles of the state
   extern __shared__ unsigned char smem_raw[];
@@ -135,7 +139,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   // M and Kd (RAW: k rows) of `chunk` into buffer `buf`, with exp(G_C) (not RAW)
   auto load_mkd = [&](int64_t chunk, int buf) {
     const size_t base = (size_t(chunk) * x.HV + hv) * C;
-    load_sw128<C>(sM + buf * kTile, ws.M + base * C, C, C, tid);
+    if constexpr (!FORM_M) load_sw128<C>(sM + buf * kTile, ws.M + base * C, C, C, tid);
     unsigned char* kd = sKd + buf * L::bytes_k;
     if constexpr (RAW) {
       load_sw128<K>(kd, x.k + (size_t(chunk_tok0(chunk)) * x.H + h) * K, int64_t(x.H) * K,
@@ -199,8 +203,9 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (ci + 1 < nchunks) load_mkd(chunk + 1, buf ^ 1);
     cp_async_commit();
 
-    // D = W S0, P = Qt S0 (64 chunk rows x 64 columns each)
+    // D = W S0, P = Qt S0 (64 chunk rows x 64 columns each); FORM_M: Q K^T (64 x 64) too
     float accD[32], accP[32];
+    [[maybe_unused]] float accM[FORM_M ? 32 : 1];
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < K / 16; ++ks) {
@@ -212,10 +217,19 @@ __global__ void __launch_bounds__(kThreads, 2)
       const uint32_t off = (ks >> 2) * kTile + (ks & 3) * 32;
       wgmma_m64n64k16_ss(accP, sw128_desc(sQ + off), sw128_desc(sS0T + off), ks > 0);
     }
+    if constexpr (FORM_M) {
+      const unsigned char* k_tile = sKd + buf * L::bytes_k;  // RAW: the k rows
+#pragma unroll
+      for (int ks = 0; ks < K / 16; ++ks) {
+        const uint32_t off = (ks >> 2) * kTile + (ks & 3) * 32;
+        wgmma_m64n64k16_ss(accM, sw128_desc(sQ + off), sw128_desc(k_tile + off), ks > 0);
+      }
+    }
     wgmma_commit();
     wgmma_wait<0>();
     fence_operands(accD);
     fence_operands(accP);
+    if constexpr (FORM_M) fence_operands(accM);
     __syncthreads();  // every warp past the products before S0^T's space takes D^T
 
     // D = U - W S0 (bf16) -> D^T; RAW: Dk = 2^(G_C - G_r) D -> Dk^T and P rows times scale 2^G_r
@@ -254,6 +268,32 @@ __global__ void __launch_bounds__(kThreads, 2)
       store_transposed(sDT, dpairs, warp, lane);
       if constexpr (RAW) store_transposed(sDkT, dkpairs, warp, lane);
     }
+    // FORM_M: M (rows i = 16 warp + g (+ 8), columns j) masked and decayed, as register A
+    // fragments of O += M D: afm[J] covers columns 16 J .. 16 J + 15
+    [[maybe_unused]] uint32_t afm[FORM_M ? C / 16 : 1][4];
+    if constexpr (FORM_M) {
+      float gi[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) gi[half] = gc[16 * warp + g + 8 * half];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int col = 8 * j + 2 * t;
+        const float gj0 = gc[col], gj1 = gc[col + 1];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = 16 * warp + g + 8 * half;
+          float& m0 = accM[4 * j + 2 * half];
+          float& m1 = accM[4 * j + 2 * half + 1];
+          m0 = col <= row ? x.scale * fast_exp2(gi[half] - gj0) * m0 : 0.f;
+          m1 = col + 1 <= row ? x.scale * fast_exp2(gi[half] - gj1) * m1 : 0.f;
+        }
+      }
+#pragma unroll
+      for (int J = 0; J < C / 16; ++J)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          afm[J][i] = pack_bf16(accM[8 * J + 2 * i], accM[8 * J + 2 * i + 1]);
+    }
     fence_proxy_async();
     __syncthreads();  // D^T complete; W / Qt / U of this chunk consumed
     if (ci + 1 < nchunks) load_wqu(chunk + 1, buf ^ 1);
@@ -285,11 +325,17 @@ __global__ void __launch_bounds__(kThreads, 2)
       fence_operands(akd[mt]);
     }
     fence_operands(accP);
+    if constexpr (FORM_M) fence_operands(afm);
     wgmma_fence();
-    const unsigned char* m = sM + buf * kTile;
+    if constexpr (FORM_M) {
 #pragma unroll
-    for (int J = 0; J < C / 16; ++J)
-      wgmma_m64n64k16_ss(accP, sw128_desc(m + J * 32), sw128_desc(sDT + J * 32), 1);
+      for (int J = 0; J < C / 16; ++J) wgmma_m64n64k16_rs(accP, afm[J], sw128_desc(sDT + J * 32));
+    } else {
+      const unsigned char* m = sM + buf * kTile;
+#pragma unroll
+      for (int J = 0; J < C / 16; ++J)
+        wgmma_m64n64k16_ss(accP, sw128_desc(m + J * 32), sw128_desc(sDT + J * 32), 1);
+    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -335,10 +381,10 @@ __global__ void __launch_bounds__(kThreads, 2)
 #endif
 }
 
-template <int K, int V, bool RAW>
+template <int K, int V, bool RAW, bool FORM_M>
 void launch(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, cudaStream_t stream) {
   using L = WgmmaStateLayout<K, RAW>;
-  const auto kernel = chunk_state_wgmma_kernel<K, V, RAW>;
+  const auto kernel = chunk_state_wgmma_kernel<K, V, RAW, FORM_M>;
   static const bool configured = [&] {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     int(L::launch_bytes)),
@@ -354,13 +400,13 @@ void launch(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, cu
   check_launch("chunk_state_wgmma kernel");
 }
 
-template <bool RAW>
+template <bool RAW, bool FORM_M = false>
 void launch_kv(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, int K, int V,
                cudaStream_t stream) {
-  if (K == 128 && V == 128) return launch<128, 128, RAW>(x, ws, num_seqs, stream);
-  if (K == 128 && V == 64) return launch<128, 64, RAW>(x, ws, num_seqs, stream);
-  if (K == 64 && V == 128) return launch<64, 128, RAW>(x, ws, num_seqs, stream);
-  return launch<64, 64, RAW>(x, ws, num_seqs, stream);
+  if (K == 128 && V == 128) return launch<128, 128, RAW, FORM_M>(x, ws, num_seqs, stream);
+  if (K == 128 && V == 64) return launch<128, 64, RAW, FORM_M>(x, ws, num_seqs, stream);
+  if (K == 64 && V == 128) return launch<64, 128, RAW, FORM_M>(x, ws, num_seqs, stream);
+  return launch<64, 64, RAW, FORM_M>(x, ws, num_seqs, stream);
 }
 
 }  // namespace
@@ -380,7 +426,9 @@ int64_t chunk_state_wgmma_blocks(int64_t num_seqs, int HV, int V) {
 
 void launch_chunk_state_wgmma(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs,
                               int K, int V, cudaStream_t stream) {
-  if (ws.raw_qk)
+  if (ws.raw_qk && ws.m_in_state)
+    launch_kv<true, true>(x, ws, num_seqs, K, V, stream);
+  else if (ws.raw_qk)
     launch_kv<true>(x, ws, num_seqs, K, V, stream);
   else
     launch_kv<false>(x, ws, num_seqs, K, V, stream);

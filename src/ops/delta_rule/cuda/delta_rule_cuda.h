@@ -147,16 +147,25 @@ enum class DecodeKernel {
   // one block of 128 threads per K x 32 column tile of a (sequence, value head) state, state in
   // registers (many small blocks: best when there are few sequences)
   tile,
-  // one block of 256 threads per (sequence, value head), V = 128 only: the first 64 rows of the
-  // state in registers, the rest (K = 128) brought into shared memory by one bulk copy; q, k and
-  // the gate loaded once per head, 4 blocks per SM (all 16 x 32 heads of B = 16 in one wave)
+  // one block of 256 threads per (sequence, value head), V = 128 and one token per sequence
+  // only: the first 64 rows of the state in registers, the rest (K = 128) brought into shared
+  // memory by one bulk copy; q, k and the gate loaded once per head, 4 blocks per SM (all 16 x 32
+  // heads of B = 16 in one wave)
   head,
 };
 
-// One decode step for shape.B sequences, one token each: q, k [B, H, K]; v [B, HV, V];
-// g [B, HV, K] or [B, HV]; beta [B, HV]; o [B, HV, V]. Sequence b reads and updates, in place,
-// the fp32 state state_pool[slots[b]] ([num_slots, HV, K, V]); `slots` is a device array of B
-// distinct int32 slot indices in [0, num_slots) (not checked on the device).
+// One decode step for shape.B sequences, `tokens` tokens each (1, or a few for speculative
+// decoding: the last accepted token and the drafts), token-major per sequence as in a prefill
+// batch: q, k [B, tokens, H, K]; v [B, tokens, HV, V]; g [B, tokens, HV, K] or [B, tokens, HV];
+// beta [B, tokens, HV]; o [B, tokens, HV, V]. Sequence b reads the fp32 state
+// state_pool[slots[b]] ([num_slots, HV, K, V]), runs its tokens in order, and writes the state
+// back in place; or, with token_slots, writes the state after its token t to
+// state_pool[token_slots[b * tokens + t]] for every t and leaves slots[b] as it was (unless a
+// token slot names it), so that a verifier that accepts the first j tokens keeps slot
+// token_slots[b * tokens + j - 1] as the sequence's state. `slots` and `token_slots` are device
+// arrays of int32 indices in [0, num_slots), distinct between sequences (not checked on the
+// device).
+constexpr int kMaxDecodeTokens = 16;
 struct DecodeArgs {
   DeltaRuleShape shape;  // B = number of sequences; T is ignored
   ElementType dtype = ElementType::bf16;
@@ -169,6 +178,8 @@ struct DecodeArgs {
   const int32_t* slots = nullptr;
   int64_t num_slots = 0;
   void* o = nullptr;
+  int tokens = 1;                        // per sequence, 1 .. kMaxDecodeTokens
+  const int32_t* token_slots = nullptr;  // [B, tokens] or null (see above)
   // Programmatic dependent launch (Hopper): the step's blocks may be scheduled while the
   // previous kernel on the stream finishes; each waits for it (griddepcontrol.wait) before
   // touching memory, so the results are the same. Hides the launch gap between back-to-back

@@ -1,5 +1,6 @@
 // The delta-rule recurrence token by token on the GPU: the fused decode step (one token per
-// sequence, states updated in place in a slot pool) and the fp32 prefill path (many tokens).
+// sequence, or a few for speculative decoding, states updated in place in a slot pool or, with
+// token_slots, every token's state kept) and the fp32 prefill path (many tokens).
 //
 // One block of 128 threads owns a K x 32 column tile of one (sequence, value head) state in
 // registers: thread (warp w, lane l) holds rows [R*kg, R*kg + R) with kg = 4w + l / 8 and
@@ -59,6 +60,9 @@ struct RecurrentParams {
   int64_t fixed_len;       // tokens per sequence when seq_bos is null
   int H, HV, V;
   float scale;
+  // decode with token_slots (DecodeArgs): the state after token t of sequence n goes to state
+  // index token_slots[n * len + t] (len = fixed_len) instead of the final state to `slots[n]`
+  const int32_t* token_slots = nullptr;
 };
 
 // R consecutive values of one thread's rows (R = K / 16: 8, 4, or 2 for K = 32).
@@ -182,9 +186,17 @@ __global__ void __launch_bounds__(kThreads, DECODE ? 8 : 1)
 #pragma unroll
       for (int c = 0; c < 4; ++c) s[r][c] += kr[r] * d[c];
     if (kg == 0) store4(o + (size_t(tok) * p.HV + hv) * p.V + col, out);
+    if constexpr (DECODE) {
+      if (p.token_slots) {  // speculative decoding: every token's state kept
+        const size_t off = (size_t(p.token_slots[n * len + t]) * p.HV + hv) * size_t(K) * p.V;
+        float* dst = p.h_out + off + size_t(row0) * p.V + col;
+#pragma unroll
+        for (int r = 0; r < R; ++r) store4(dst + size_t(r) * p.V, s[r]);
+      }
+    }
   }
 
-  if (p.h_out) {
+  if (p.h_out && !(DECODE && p.token_slots)) {
     float* dst = p.h_out + state_off + size_t(row0) * p.V + col;
 #pragma unroll
     for (int r = 0; r < R; ++r) store4(dst + size_t(r) * p.V, s[r]);
@@ -239,6 +251,8 @@ __global__ void __launch_bounds__(kHeadThreads, 4) decode_head_kernel(const Recu
   const int64_t state_index = p.slots ? int64_t(p.slots[n]) : n;
   const size_t state_off = (size_t(state_index) * p.HV + hv) * size_t(K) * V;
   const float* src = p.h_in + state_off;
+  // the new state: in place, or to the token's slot (one token per sequence here)
+  const int64_t out_index = p.token_slots ? int64_t(p.token_slots[n]) : state_index;
 
   // Every state byte is requested first: the shared-memory rows by one bulk copy, then the
   // register rows (RR independent 16-byte loads per thread, one 512-byte row per warp each).
@@ -348,7 +362,7 @@ __global__ void __launch_bounds__(kHeadThreads, 4) decode_head_kernel(const Recu
                           p.scale * (qp.z + qk * d[2]), p.scale * (qp.w + qk * d[3])};
     store4(static_cast<Tin*>(p.o) + head * V + lane * 4, out);
   }
-  float* dst = p.h_out + state_off;
+  float* dst = p.h_out + (size_t(out_index) * p.HV + hv) * size_t(K) * V;
 #pragma unroll
   for (int r = 0; r < RR; ++r) {
     const int row = warp * RR + r;
@@ -577,12 +591,13 @@ bool use_head_kernel(const DecodeArgs& a, const DeltaRuleShape& s) {
       if (std::strcmp(knob, "head") == 0) kernel = DecodeKernel::head;
     }
   }
-  const bool head_fits = s.V == kHeadV && (s.K == 32 || s.K == 64 || s.K == 128);
+  const bool head_fits = s.V == kHeadV && (s.K == 32 || s.K == 64 || s.K == 128) && a.tokens == 1;
   if (kernel == DecodeKernel::head) {
     require(head_fits,
-            "delta rule decode (cuda): the head kernel needs V = 128 and K in {32, 64, 128}, got "
-            "K = " +
-                std::to_string(s.K) + ", V = " + std::to_string(s.V));
+            "delta rule decode (cuda): the head kernel needs V = 128, K in {32, 64, 128} and one "
+            "token per sequence, got K = " +
+                std::to_string(s.K) + ", V = " + std::to_string(s.V) +
+                ", tokens = " + std::to_string(a.tokens));
     return true;
   }
   if (kernel == DecodeKernel::tile || !head_fits) return false;
@@ -594,16 +609,20 @@ bool use_head_kernel(const DecodeArgs& a, const DeltaRuleShape& s) {
 }  // namespace
 
 void decode_step(const DecodeArgs& a, cudaStream_t stream) {
+  require(a.tokens >= 1 && a.tokens <= kMaxDecodeTokens,
+          "delta rule decode (cuda): tokens per sequence must be in [1, " +
+              std::to_string(kMaxDecodeTokens) + "], got " + std::to_string(a.tokens));
   DeltaRuleShape s = a.shape;
-  s.T = 1;
+  s.T = a.tokens;
   s.validate();
   require_tokens(s, a.q, a.k, a.v, a.g, a.beta, a.o);
   require(a.state_pool && a.slots, "delta rule decode (cuda): state_pool and slots are required");
   require(a.num_slots >= 1, "delta rule decode (cuda): num_slots must be positive");
-  const RecurrentParams p{a.q,      a.k,       a.v,          a.g,
-                          a.beta,   a.o,       a.state_pool, a.state_pool,
-                          a.slots,  nullptr,   nullptr,      1,
-                          int(s.H), int(s.HV), int(s.V),     float(s.effective_scale())};
+  const RecurrentParams p{a.q,          a.k,       a.v,          a.g,
+                          a.beta,       a.o,       a.state_pool, a.state_pool,
+                          a.slots,      nullptr,   nullptr,      a.tokens,
+                          int(s.H),     int(s.HV), int(s.V),     float(s.effective_scale()),
+                          a.token_slots};
   const bool overlap = decode_overlap(a);
   if (!use_head_kernel(a, s)) {
     launch_recurrent(s, a.dtype, s.B, p, stream, true, overlap);
