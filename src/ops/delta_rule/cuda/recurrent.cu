@@ -78,9 +78,13 @@ __device__ __forceinline__ void load_rows(const T* p, float out[R]) {
   }
 }
 
-template <class Tin, Gate GATE, int K, bool DECODE>
+// KEEP (decode with token_slots only): every token's state to its slot, no final store. A
+// template flag so that the one-token step's code is the same as without the option (at the
+// 64-register cap the runtime branch made the fp32 KDA instantiation spill).
+template <class Tin, Gate GATE, int K, bool DECODE, bool KEEP = false>
 __global__ void __launch_bounds__(kThreads, DECODE ? 8 : 1)
     recurrent_kernel(const RecurrentParams p) {
+  static_assert(DECODE || !KEEP, "token slots are a decode option");
   constexpr int R = K / 16;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if constexpr (DECODE) {  // no-ops unless launched with programmatic stream serialization
@@ -186,17 +190,15 @@ __global__ void __launch_bounds__(kThreads, DECODE ? 8 : 1)
 #pragma unroll
       for (int c = 0; c < 4; ++c) s[r][c] += kr[r] * d[c];
     if (kg == 0) store4(o + (size_t(tok) * p.HV + hv) * p.V + col, out);
-    if constexpr (DECODE) {
-      if (p.token_slots) {  // speculative decoding: every token's state kept
-        const size_t off = (size_t(p.token_slots[n * len + t]) * p.HV + hv) * size_t(K) * p.V;
-        float* dst = p.h_out + off + size_t(row0) * p.V + col;
+    if constexpr (KEEP) {  // speculative decoding: every token's state kept
+      const size_t off = (size_t(p.token_slots[n * len + t]) * p.HV + hv) * size_t(K) * p.V;
+      float* dst = p.h_out + off + size_t(row0) * p.V + col;
 #pragma unroll
-        for (int r = 0; r < R; ++r) store4(dst + size_t(r) * p.V, s[r]);
-      }
+      for (int r = 0; r < R; ++r) store4(dst + size_t(r) * p.V, s[r]);
     }
   }
 
-  if (p.h_out && !(DECODE && p.token_slots)) {
+  if (!KEEP && p.h_out) {
     float* dst = p.h_out + state_off + size_t(row0) * p.V + col;
 #pragma unroll
     for (int r = 0; r < R; ++r) store4(dst + size_t(r) * p.V, s[r]);
@@ -434,10 +436,10 @@ void launch_maybe_overlapped(void (*kernel)(Params...), dim3 grid, int threads, 
   check_cuda(cudaLaunchKernelEx(&cfg, kernel, args...), "delta rule decode launch");
 }
 
-template <class Tin, Gate GATE, int K, bool DECODE>
+template <class Tin, Gate GATE, int K, bool DECODE, bool KEEP>
 void launch_kernel(dim3 grid, const RecurrentParams& p, bool overlap, cudaStream_t stream) {
-  launch_maybe_overlapped(recurrent_kernel<Tin, GATE, K, DECODE>, grid, kThreads, overlap, stream,
-                          p);
+  launch_maybe_overlapped(recurrent_kernel<Tin, GATE, K, DECODE, KEEP>, grid, kThreads, overlap,
+                          stream, p);
 }
 
 template <class Tin, Gate GATE, int K>
@@ -485,28 +487,28 @@ void launch_head_for_gate(Gate gate, int K, dim3 grid, const RecurrentParams& p,
   }
 }
 
-template <class Tin, Gate GATE, bool DECODE>
+template <class Tin, Gate GATE, bool DECODE, bool KEEP>
 void launch_for_k(int K, dim3 grid, const RecurrentParams& p, bool overlap, cudaStream_t stream) {
   if (K == 128)
-    launch_kernel<Tin, GATE, 128, DECODE>(grid, p, overlap, stream);
+    launch_kernel<Tin, GATE, 128, DECODE, KEEP>(grid, p, overlap, stream);
   else if (K == 64)
-    launch_kernel<Tin, GATE, 64, DECODE>(grid, p, overlap, stream);
+    launch_kernel<Tin, GATE, 64, DECODE, KEEP>(grid, p, overlap, stream);
   else
-    launch_kernel<Tin, GATE, 32, DECODE>(grid, p, overlap, stream);
+    launch_kernel<Tin, GATE, 32, DECODE, KEEP>(grid, p, overlap, stream);
 }
 
-template <class Tin, bool DECODE>
+template <class Tin, bool DECODE, bool KEEP = false>
 void launch_for_gate(Gate gate, int K, dim3 grid, const RecurrentParams& p, bool overlap,
                      cudaStream_t stream) {
   switch (gate) {
     case Gate::channel:
-      launch_for_k<Tin, Gate::channel, DECODE>(K, grid, p, overlap, stream);
+      launch_for_k<Tin, Gate::channel, DECODE, KEEP>(K, grid, p, overlap, stream);
       break;
     case Gate::scalar:
-      launch_for_k<Tin, Gate::scalar, DECODE>(K, grid, p, overlap, stream);
+      launch_for_k<Tin, Gate::scalar, DECODE, KEEP>(K, grid, p, overlap, stream);
       break;
     case Gate::none:
-      launch_for_k<Tin, Gate::none, DECODE>(K, grid, p, overlap, stream);
+      launch_for_k<Tin, Gate::none, DECODE, KEEP>(K, grid, p, overlap, stream);
       break;
   }
 }
@@ -521,7 +523,12 @@ void launch_recurrent(const DeltaRuleShape& s, ElementType dtype, int64_t num_se
           "delta rule (cuda recurrent): V must be a multiple of 32, got " + std::to_string(s.V));
   require(num_seqs <= 65535, "delta rule (cuda recurrent): at most 65535 sequences per call");
   const dim3 grid(unsigned(s.HV * (s.V / kTile)), unsigned(num_seqs));
-  if (decode) {
+  if (decode && p.token_slots) {
+    if (dtype == ElementType::bf16)
+      launch_for_gate<__nv_bfloat16, true, true>(s.gate, int(s.K), grid, p, overlap, stream);
+    else
+      launch_for_gate<float, true, true>(s.gate, int(s.K), grid, p, overlap, stream);
+  } else if (decode) {
     if (dtype == ElementType::bf16)
       launch_for_gate<__nv_bfloat16, true>(s.gate, int(s.K), grid, p, overlap, stream);
     else
@@ -583,15 +590,16 @@ bool decode_overlap(const DecodeArgs& a) {
 }
 
 bool use_head_kernel(const DecodeArgs& a, const DeltaRuleShape& s) {
+  const bool head_fits = s.V == kHeadV && (s.K == 32 || s.K == 64 || s.K == 128) && a.tokens == 1;
   DecodeKernel kernel = a.kernel;
   if (kernel == DecodeKernel::automatic) {
-    // Kernel-lab knob: KDA_DECODE_KERNEL=tile|head|auto replaces `automatic` (timing only).
+    // Kernel-lab knob: KDA_DECODE_KERNEL=tile|head|auto replaces `automatic` (timing only; head
+    // only where it fits)
     if (const char* knob = std::getenv("KDA_DECODE_KERNEL")) {
       if (std::strcmp(knob, "tile") == 0) kernel = DecodeKernel::tile;
-      if (std::strcmp(knob, "head") == 0) kernel = DecodeKernel::head;
+      if (std::strcmp(knob, "head") == 0 && head_fits) kernel = DecodeKernel::head;
     }
   }
-  const bool head_fits = s.V == kHeadV && (s.K == 32 || s.K == 64 || s.K == 128) && a.tokens == 1;
   if (kernel == DecodeKernel::head) {
     require(head_fits,
             "delta rule decode (cuda): the head kernel needs V = 128, K in {32, 64, 128} and one "
