@@ -805,74 +805,10 @@ void check_decode(Gate gate, int64_t H, int64_t HV, int64_t K, int64_t V, Elemen
   report(std::string(name) + " other slots", "==", rel_rms(untouched_now, untouched_before), 0.0);
 }
 
-// One decode step for B sequences from random states in scrambled slots of a pool (noise in
-// the other slots) against the float64 recurrence: o, the updated states, and the untouched
-// slots bit for bit. Covers both decode kernels at the production head count.
-void check_decode_step(Gate gate, int64_t B, int64_t H, int64_t HV, int64_t K, ElementType t,
-                       cuda::DecodeKernel kernel, uint64_t seed) {
-  const int64_t V = 128;
-  const DeltaRuleShape s{B, 1, H, HV, K, V, gate, 0};
-  const Inputs in = make_inputs(s, {}, true, seed);
-  const Uploaded u = upload_all(in, t);
-  const Reference ref =
-      reference(in, u.q.rounded, u.k.rounded, u.v.rounded,
-                in.g.empty() ? std::vector<double>{} : u.g.rounded, u.beta.rounded, u.h0_rounded);
-  // B of 2B + 3 slots, in shuffled order
-  const int64_t slots_n = 2 * B + 3, state = HV * K * V;
-  Random rng(seed + 7);
-  std::vector<int32_t> order(slots_n);
-  std::iota(order.begin(), order.end(), 0);
-  std::shuffle(order.begin(), order.end(), rng.engine());
-  const std::vector<int32_t> slot(order.begin(), order.begin() + B);
-  std::vector<float> pool_host(slots_n * state);
-  rng.fill_normal(pool_host);
-  for (int64_t b = 0; b < B; ++b)
-    std::copy(in.h0.begin() + b * state, in.h0.begin() + (b + 1) * state,
-              pool_host.begin() + slot[b] * state);
-  DeviceBuffer pool(pool_host.size() * 4), slots_dev(B * 4);
-  ck(cudaMemcpy(pool.ptr, pool_host.data(), pool.bytes, cudaMemcpyHostToDevice), "pool");
-  ck(cudaMemcpy(slots_dev.ptr, slot.data(), B * 4, cudaMemcpyHostToDevice), "slots");
-  DeviceBuffer o(B * HV * V * (t == ElementType::bf16 ? 2 : 4));
-  poison(o);
-  cuda::DecodeArgs a;
-  a.shape = s;
-  a.dtype = t;
-  a.q = u.q.device.ptr, a.k = u.k.device.ptr, a.v = u.v.device.ptr;
-  a.g = in.g.empty() ? nullptr : u.g.device.ptr;
-  a.beta = u.beta.device.ptr;
-  a.state_pool = pool.as<float>();
-  a.slots = slots_dev.as<int32_t>();
-  a.num_slots = slots_n;
-  a.o = o.ptr;
-  a.kernel = kernel;
-  cuda::decode_step(a, nullptr);
-  ck(cudaDeviceSynchronize(), "decode step");
-  const auto pool_after = download(pool.ptr, slots_n * state, ElementType::f32);
-  std::vector<double> ht, untouched_now, untouched_before;
-  for (int64_t b = 0; b < B; ++b)
-    ht.insert(ht.end(), pool_after.begin() + slot[b] * state,
-              pool_after.begin() + (slot[b] + 1) * state);
-  for (int64_t sl = B; sl < slots_n; ++sl) {
-    const int64_t at = order[sl];
-    untouched_now.insert(untouched_now.end(), pool_after.begin() + at * state,
-                         pool_after.begin() + (at + 1) * state);
-    untouched_before.insert(untouched_before.end(), pool_host.begin() + at * state,
-                            pool_host.begin() + (at + 1) * state);
-  }
-  char name[160];
-  std::snprintf(name, sizeof name, "decode step %s %s %s B%lld H%lld HV%lld K%lld",
-                kernel_name(kernel), gate_name(gate), t == ElementType::bf16 ? "bf16" : "fp32",
-                (long long)B, (long long)H, (long long)HV, (long long)K);
-  report(name, "o", rel_rms(download(o.ptr, B * HV * V, t), ref.o),
-         t == ElementType::bf16 ? 5e-3 : 1e-5);
-  report(name, "ht", rel_rms(ht, ref.ht), 1e-5);
-  report(name, "==", rel_rms(untouched_now, untouched_before), 0.0);
-}
-
-// A speculative decode step: B sequences of T tokens each, from random states in scrambled
-// slots of a pool (noise in the other slots), against the float64 recurrence: o of every token,
-// and either the state after every token (token_slots) or the final state in place; slots that
-// nothing should write, bit for bit (with token_slots that includes every sequence's own slot).
+// A decode step of B sequences of T tokens each (T > 1: speculative decoding), from random states
+// in scrambled slots of a pool (noise in the other slots), against the float64 recurrence: o of
+// every token, and either the state after every token (token_slots) or the final state in place;
+// slots that nothing should write, bit for bit (with token_slots, every sequence's own slot).
 void check_decode_tokens(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K,
                          ElementType t, bool keep_every_token, cuda::DecodeKernel kernel,
                          uint64_t seed) {
@@ -941,10 +877,15 @@ void check_decode_tokens(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV,
     return std::vector<double>(p.begin() + at * state, p.begin() + (at + 1) * state);
   };
   char name[200];
-  std::snprintf(name, sizeof name, "decode tokens %s %s %s B%lld T%lld H%lld HV%lld K%lld %s",
-                kernel_name(kernel), gate_name(gate), t == ElementType::bf16 ? "bf16" : "fp32",
-                (long long)B, (long long)T, (long long)H, (long long)HV, (long long)K,
-                keep_every_token ? "every token's state" : "in place");
+  if (T == 1 && !keep_every_token)  // the plain decode step (check_decode_step)
+    std::snprintf(name, sizeof name, "decode step %s %s %s B%lld H%lld HV%lld K%lld",
+                  kernel_name(kernel), gate_name(gate), t == ElementType::bf16 ? "bf16" : "fp32",
+                  (long long)B, (long long)H, (long long)HV, (long long)K);
+  else
+    std::snprintf(name, sizeof name, "decode tokens %s %s %s B%lld T%lld H%lld HV%lld K%lld %s",
+                  kernel_name(kernel), gate_name(gate), t == ElementType::bf16 ? "bf16" : "fp32",
+                  (long long)B, (long long)T, (long long)H, (long long)HV, (long long)K,
+                  keep_every_token ? "every token's state" : "in place");
   report(name, "o", rel_rms(download(o.ptr, B * T * HV * V, t), refs.back().o),
          t == ElementType::bf16 ? 5e-3 : 1e-5);
   std::vector<double> got, want, untouched_now, untouched_before;
@@ -967,6 +908,14 @@ void check_decode_tokens(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV,
     untouched_before.insert(untouched_before.end(), before.begin(), before.end());
   }
   report(name, "==", rel_rms(untouched_now, untouched_before), 0.0);
+}
+
+// One decode step for B sequences (one token each) from random states in scrambled slots of a
+// pool (noise in the other slots) against the float64 recurrence: o, the updated states, and the
+// untouched slots bit for bit. Covers both decode kernels at the production head count.
+void check_decode_step(Gate gate, int64_t B, int64_t H, int64_t HV, int64_t K, ElementType t,
+                       cuda::DecodeKernel kernel, uint64_t seed) {
+  check_decode_tokens(gate, B, 1, H, HV, K, t, false, kernel, seed);
 }
 
 // --decode: --check runs run_decode_checks() alone, --bench the ceilings and decode rows alone.
@@ -1230,6 +1179,28 @@ void run_profile() {
   ck(cudaDeviceSynchronize(), "profile");
 }
 
+// The decode rows' token inputs for n tokens (bf16, H = HV heads; q, k rows of unit norm, gates
+// of gw values a head in [-0.5, -0.01], betas in [0.1, 0.9]), seeds seed .. seed + 4.
+struct DecodeBenchTokens {
+  DeviceBuffer q, k, v, g, beta, o;
+  DecodeBenchTokens(int64_t n, int64_t H, int64_t K, int64_t V, int64_t gw, uint64_t seed)
+      : q(n * H * K * 2),
+        k(n * H * K * 2),
+        v(n * H * V * 2),
+        g(n * H * gw * 2),
+        beta(n * H * 2),
+        o(n * H * V * 2) {
+    fill_device_random_bf16(q, n * H * K, seed, -1, 1, true, int(K));
+    fill_device_random_bf16(k, n * H * K, seed + 1, -1, 1, true, int(K));
+    fill_device_random_bf16(v, n * H * V, seed + 2, -1, 1);
+    fill_device_random_bf16(g, n * H * gw, seed + 3, -0.5f, -0.01f);
+    fill_device_random_bf16(beta, n * H, seed + 4, 0.1f, 0.9f);
+  }
+  void bind(cuda::DecodeArgs& a) const {
+    a.q = q.ptr, a.k = k.ptr, a.v = v.ptr, a.g = g.ptr, a.beta = beta.ptr, a.o = o.ptr;
+  }
+};
+
 void run_bench(const std::string& out_path) {
   std::ofstream out(out_path);
   Timer timer;
@@ -1490,17 +1461,10 @@ void run_bench(const std::string& out_path) {
       }
       DeviceBuffer slots_dev(slots.size() * 4);
       ck(cudaMemcpy(slots_dev.ptr, slots.data(), slots_dev.bytes, cudaMemcpyHostToDevice), "slots");
-      const size_t gw = gate == Gate::channel ? K : 1;
-      DeviceBuffer q(B * H * K * 2), k(B * H * K * 2), v(B * H * V * 2), g(B * H * gw * 2),
-          beta(B * H * 2), o(B * H * V * 2);
-      fill_device_random_bf16(q, B * H * K, 21, -1, 1, true, int(K));
-      fill_device_random_bf16(k, B * H * K, 22, -1, 1, true, int(K));
-      fill_device_random_bf16(v, B * H * V, 23, -1, 1);
-      fill_device_random_bf16(g, B * H * gw, 24, -0.5f, -0.01f);
-      fill_device_random_bf16(beta, B * H, 25, 0.1f, 0.9f);
+      const DecodeBenchTokens x(B, H, K, V, gate == Gate::channel ? K : 1, 21);
       cuda::DecodeArgs a;
       a.shape = DeltaRuleShape{B, 1, H, H, K, V, gate, 0};
-      a.q = q.ptr, a.k = k.ptr, a.v = v.ptr, a.g = g.ptr, a.beta = beta.ptr, a.o = o.ptr;
+      x.bind(a);
       a.state_pool = pool.as<float>();
       a.num_slots = slots_n;
       auto time_rotating = [&](auto&& step) {
@@ -1589,17 +1553,10 @@ void run_bench(const std::string& out_path) {
     ck(cudaMemcpy(token_slots_dev.ptr, token_slots.data(), token_slots_dev.bytes,
                   cudaMemcpyHostToDevice),
        "token slots");
-    const int64_t n = B * T;
-    DeviceBuffer q(n * H * K * 2), k(n * H * K * 2), v(n * H * V * 2), g(n * H * K * 2),
-        beta(n * H * 2), o(n * H * V * 2);
-    fill_device_random_bf16(q, n * H * K, 31, -1, 1, true, int(K));
-    fill_device_random_bf16(k, n * H * K, 32, -1, 1, true, int(K));
-    fill_device_random_bf16(v, n * H * V, 33, -1, 1);
-    fill_device_random_bf16(g, n * H * K, 34, -0.5f, -0.01f);
-    fill_device_random_bf16(beta, n * H, 35, 0.1f, 0.9f);
+    const DecodeBenchTokens x(B * T, H, K, V, K, 31);
     cuda::DecodeArgs a;
     a.shape = DeltaRuleShape{B, T, H, H, K, V, Gate::channel, 0};
-    a.q = q.ptr, a.k = k.ptr, a.v = v.ptr, a.g = g.ptr, a.beta = beta.ptr, a.o = o.ptr;
+    x.bind(a);
     a.state_pool = pool.as<float>();
     a.num_slots = slots_n;
     a.tokens = int(T);
