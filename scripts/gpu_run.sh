@@ -21,7 +21,9 @@
 #           are timed again under each ';'-separated knob set of KDA_LAB_KNOBS (default: the
 #           wgmma walk, then it without the pipeline, without the GDN raw path, with GDN's M
 #           from chunk_prepare instead of formed in the walk (KDA_GDN_STATE_M=0), then the
-#           state walk alone, mma.sync and wgmma).
+#           state walk alone, mma.sync and wgmma). Then the decode checks with the state
+#           fetched before the programmatic wait, and the decode rows without PDL, with it, and
+#           with the early state fetch.
 # --train:  training on the GPU only: one build (kda, kda_gpu_model, kda_gpu_train; needs
 #           gpu_carry/pcre2), the training kernels' checks (attention, attention_bwd,
 #           lineage_ops, linear_attn, train, gpt2_train, gemm), the lineage GPU trainer against the
@@ -83,6 +85,19 @@ if [ "$mode" = "--lab" ]; then
     # shellcheck disable=SC2086
     env $knobs KDA_BENCH_ONLY=chunk timeout 150 ./build-gpu-app/bin/kda_gpu_check --bench 2>&1 |
       grep -E "chunk_fwd (kda|kda-layer|gdn) "
+  done
+  # decode (session 12, compiled only): the state fetched before the programmatic wait
+  # (KDA_DECODE_PREFETCH, with KDA_DECODE_OVERLAP) and a few tokens per sequence
+  echo "== kda_gpu_check --decode --check with KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1"
+  KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1 timeout 120 ./build-gpu-app/bin/kda_gpu_check \
+    --decode --check >"$log_dir/lab_decode_check.log" 2>&1 || status=1
+  grep -E "FAIL" "$log_dir/lab_decode_check.log" | head -20
+  echo "decode checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_decode_check.log") pass"
+  for knobs in "" "KDA_DECODE_OVERLAP=1" "KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1"; do
+    echo "== decode rows with: ${knobs:-(defaults)}"
+    # shellcheck disable=SC2086
+    env $knobs timeout 120 ./build-gpu-app/bin/kda_gpu_check --decode --bench 2>&1 |
+      grep -E "BENCH decode (kda|gdn) B=(16|128) (auto|same)|BENCH decode kda B=16 tokens"
   done
   echo "== kda_gpu_train --check"
   timeout 240 ./build-gpu-app/bin/kda_gpu_train --check >"$log_dir/lab_train_check.log" 2>&1 ||

@@ -1179,6 +1179,30 @@ void run_profile() {
   ck(cudaDeviceSynchronize(), "profile");
 }
 
+// `sets` slot sets of `per_set` distinct slots of [0, slots_n), consecutive sets (cyclically, as
+// the timed steps use them) disjoint: a step may then read its states while the step before
+// still writes its own (DecodeArgs::prefetch_state's contract).
+std::vector<int32_t> rotating_slot_sets(int64_t slots_n, int64_t per_set, int sets, uint64_t seed) {
+  require(3 * per_set <= slots_n, "rotating_slot_sets: too few slots");
+  Random rng(seed);
+  std::vector<int32_t> out(size_t(sets) * per_set), perm(slots_n);
+  std::vector<char> banned(slots_n);
+  for (int si = 0; si < sets; ++si) {
+    std::fill(banned.begin(), banned.end(), 0);
+    auto ban = [&](int set) {
+      for (int64_t j = 0; j < per_set; ++j) banned[out[size_t(set) * per_set + j]] = 1;
+    };
+    if (si > 0) ban(si - 1);
+    if (si == sets - 1 && sets > 1) ban(0);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng.engine());
+    int64_t taken = 0;
+    for (int32_t slot : perm)
+      if (!banned[slot] && taken < per_set) out[size_t(si) * per_set + taken++] = slot;
+  }
+  return out;
+}
+
 // The decode rows' token inputs for n tokens (bf16, H = HV heads; q, k rows of unit norm, gates
 // of gw values a head in [-0.5, -0.01], betas in [0.1, 0.9]), seeds seed .. seed + 4.
 struct DecodeBenchTokens {
@@ -1437,13 +1461,14 @@ void run_bench(const std::string& out_path) {
   }
 
   // Decode: pool of 1024 slots (2 GiB at H = 32); each call uses the next of `sets` random slot
-  // sets, with sets x B slots >= 128 (256 MB of states, ~5x the H200's 50 MB L2), so no call
-  // finds the states it reads in L2. Beside both kernels, the same-size ceilings measured the
-  // same way: decode_state_copy (the step's exact state bytes, same slots, read and written in
-  // place by a plain copy kernel) and a cudaMemcpyAsync of the same byte count between blocks
-  // rotating over the pool; the faster of the two is the ceiling. "warm": one slot set for every
-  // call (B <= 16: the states may stay in L2 between calls: what L2 reuse would flatter). Until
-  // v18 the rows used 16 rotating sets for every B (B = 1: only 32 MB, partly L2-resident).
+  // sets (consecutive ones disjoint, as DecodeArgs::prefetch_state requires), with sets x B >= 128
+  // (256 MB of states, ~5x the H200's 50 MB L2), so no call finds the states it reads in L2. Beside
+  // both kernels, the same-size ceilings measured the same way: decode_state_copy (the step's exact
+  // state bytes, same slots, read and written in place by a plain copy kernel) and a
+  // cudaMemcpyAsync of the same byte count between blocks rotating over the pool; the faster of the
+  // two is the ceiling. "warm": one slot set for every call (B <= 16: the states may stay in L2
+  // between calls: what L2 reuse would flatter). Until v18 the rows used 16 rotating sets for every
+  // B (B = 1: only 32 MB, partly L2-resident).
   for (Gate gate : {Gate::channel, Gate::scalar}) {
     if (chunk_only) break;
     const int64_t slots_n = 1024;
@@ -1451,14 +1476,7 @@ void run_bench(const std::string& out_path) {
     ck(cudaMemset(pool.ptr, 0, pool.bytes), "pool");
     for (int64_t B : {1, 16, 64, 128}) {
       const int sets = int(std::max<int64_t>(16, (128 + B - 1) / B));
-      std::vector<int32_t> slots(size_t(sets) * B);
-      Random rng(77 + B);
-      for (int si = 0; si < sets; ++si) {
-        std::vector<int32_t> perm(slots_n);
-        std::iota(perm.begin(), perm.end(), 0);
-        std::shuffle(perm.begin(), perm.end(), rng.engine());
-        std::copy(perm.begin(), perm.begin() + B, slots.begin() + size_t(si) * B);
-      }
+      const std::vector<int32_t> slots = rotating_slot_sets(slots_n, B, sets, 77 + B);
       DeviceBuffer slots_dev(slots.size() * 4);
       ck(cudaMemcpy(slots_dev.ptr, slots.data(), slots_dev.bytes, cudaMemcpyHostToDevice), "slots");
       const DecodeBenchTokens x(B, H, K, V, gate == Gate::channel ? K : 1, 21);
@@ -1539,14 +1557,12 @@ void run_bench(const std::string& out_path) {
     const int64_t B = 16, T = 4, slots_n = 1024, sets = 8;
     DeviceBuffer pool(size_t(slots_n) * H * K * V * 4);
     ck(cudaMemset(pool.ptr, 0, pool.bytes), "pool");
+    const std::vector<int32_t> all = rotating_slot_sets(slots_n, B + B * T, int(sets), 99);
     std::vector<int32_t> slots(size_t(sets) * B), token_slots(size_t(sets) * B * T);
-    Random rng(99);
     for (int64_t si = 0; si < sets; ++si) {
-      std::vector<int32_t> perm(slots_n);
-      std::iota(perm.begin(), perm.end(), 0);
-      std::shuffle(perm.begin(), perm.end(), rng.engine());
-      std::copy(perm.begin(), perm.begin() + B, slots.begin() + si * B);
-      std::copy(perm.begin() + B, perm.begin() + B + B * T, token_slots.begin() + si * B * T);
+      const auto set = all.begin() + si * (B + B * T);
+      std::copy(set, set + B, slots.begin() + si * B);
+      std::copy(set + B, set + B + B * T, token_slots.begin() + si * B * T);
     }
     DeviceBuffer slots_dev(slots.size() * 4), token_slots_dev(token_slots.size() * 4);
     ck(cudaMemcpy(slots_dev.ptr, slots.data(), slots_dev.bytes, cudaMemcpyHostToDevice), "slots");

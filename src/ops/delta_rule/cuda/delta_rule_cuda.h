@@ -186,6 +186,13 @@ struct DecodeArgs {
   // kernels; it pays only when the kernel before also lets dependents start early (another
   // decode step does). Off by default.
   bool overlap_launch = false;
+  // With overlap_launch: read the states (and slots, token_slots) before waiting for the
+  // previous kernel; only q, k, v, g and beta wait for it. The state fetch, the step's bulk, then
+  // overlaps that kernel's tail. Only when the kernel just before on the stream writes none of
+  // those (a model's decode loop: the projections before the step; not a decode step of the same
+  // slots). Earlier kernels have completed by then: every kernel of ours lets its dependents
+  // start only after its own wait. Off by default.
+  bool prefetch_state = false;
   DecodeKernel kernel = DecodeKernel::automatic;
 };
 void decode_step(const DecodeArgs& args, cudaStream_t stream);

@@ -14,7 +14,8 @@
 // programmatic dependent launch (DecodeArgs::overlap_launch): the block waits for the previous
 // kernel on the stream (griddepcontrol.wait) before its first memory access and lets the next
 // one be scheduled as soon as every block has started, which hides the launch gap between
-// back-to-back steps.
+// back-to-back steps. With DecodeArgs::prefetch_state the state loads are issued before that
+// wait (only the token's vectors wait), so the state fetch overlaps the previous kernel's tail.
 //
 // The decode step's head kernel (decode_head_kernel, V = 128) gives one block of 256 threads a
 // whole (sequence, value head) state: warp w owns rows [8w, 8w + 8) (registers) and, for
@@ -63,7 +64,21 @@ struct RecurrentParams {
   // decode with token_slots (DecodeArgs): the state after token t of sequence n goes to state
   // index token_slots[n * len + t] (len = fixed_len) instead of the final state to `slots[n]`
   const int32_t* token_slots = nullptr;
+  // decode with programmatic dependent launch and DecodeArgs::prefetch_state: the state (and the
+  // slot indices) are read before waiting for the previous kernel on the stream
+  bool state_before_wait = false;
 };
+
+// Programmatic dependent launch (no-ops unless launched with programmatic stream serialization):
+// wait for the previous kernel on the stream, then let the next one be scheduled. Triggering only
+// after the wait keeps the chain's invariant that when a kernel starts, every kernel before its
+// predecessor has completed (what DecodeArgs::prefetch_state relies on).
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
 
 // R consecutive values of one thread's rows (R = K / 16: 8, 4, or 2 for K = 32).
 template <int R, class T>
@@ -86,12 +101,8 @@ __global__ void __launch_bounds__(kThreads, DECODE ? 8 : 1)
     recurrent_kernel(const RecurrentParams p) {
   static_assert(DECODE || !KEEP, "token slots are a decode option");
   constexpr int R = K / 16;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (DECODE) {  // no-ops unless launched with programmatic stream serialization
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-  }
-#endif
+  if constexpr (DECODE)
+    if (!p.state_before_wait) wait_for_previous_kernel();
   const int tiles = p.V / kTile;
   const int vt = blockIdx.x % tiles;
   const int hv = blockIdx.x / tiles;
@@ -116,6 +127,8 @@ __global__ void __launch_bounds__(kThreads, DECODE ? 8 : 1)
 #pragma unroll
     for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = s[r][2] = s[r][3] = 0.f;
   }
+  if constexpr (DECODE)
+    if (p.state_before_wait) wait_for_previous_kernel();  // the state is in flight
 
   const Tin* q = static_cast<const Tin*>(p.q);
   const Tin* k = static_cast<const Tin*>(p.k);
@@ -232,11 +245,7 @@ __global__ void __launch_bounds__(kHeadThreads, 4) decode_head_kernel(const Recu
   constexpr int V = kHeadV, RR = L::kRegPerWarp, RS = L::kSmemPerWarp;
   static_assert(kHeadThreads == 2 * V && kHeadThreads == 8 * 32 && K <= kHeadThreads / 2,
                 "the reductions and the staging assume 8 warps, 2 x V threads, K <= 128");
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // no-ops unless launched with programmatic stream serialization
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
+  if (!p.state_before_wait) wait_for_previous_kernel();
   __shared__ alignas(128) float rows_smem[L::kSmemRows > 0 ? L::kSmemRows * V : 4];
   __shared__ alignas(16) float part[2][8][V];  // [k^T P, q^T P][warp][column]
   __shared__ alignas(16) float total[2][V];
@@ -275,6 +284,8 @@ __global__ void __launch_bounds__(kHeadThreads, 4) decode_head_kernel(const Recu
   float s[RR][4];
 #pragma unroll
   for (int r = 0; r < RR; ++r) load4(src + size_t(warp * RR + r) * V + lane * 4, s[r]);
+  // prefetch_state: the state is in flight; the token's vectors come from the previous kernel
+  if (p.state_before_wait) wait_for_previous_kernel();
 
   // The token's vectors, staged in shared memory (registers are for the state): thread `row`
   // < K takes q, k and the gate of its row (and q.k, summed per warp); the second half of the
@@ -393,10 +404,7 @@ constexpr int kCopyThreads = 256, kCopyPerThread = 2;
 __global__ void __launch_bounds__(kCopyThreads)
     decode_state_copy_kernel(float* pool, const int32_t* slots, int64_t state_vecs,
                              int64_t chunks_per_state, int64_t chunks) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
+  wait_for_previous_kernel();
   for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
     const int64_t seq = c / chunks_per_state, part = c % chunks_per_state;
     float* base = pool + int64_t(slots[seq]) * state_vecs * 4;
@@ -589,6 +597,12 @@ bool decode_overlap(const DecodeArgs& a) {
   return a.overlap_launch;
 }
 
+bool decode_prefetch(const DecodeArgs& a) {
+  // Kernel-lab knob: KDA_DECODE_PREFETCH=0|1 overrides DecodeArgs::prefetch_state (timing only).
+  if (const char* knob = std::getenv("KDA_DECODE_PREFETCH")) return knob[0] == '1';
+  return a.prefetch_state;
+}
+
 bool use_head_kernel(const DecodeArgs& a, const DeltaRuleShape& s) {
   const bool head_fits = s.V == kHeadV && (s.K == 32 || s.K == 64 || s.K == 128) && a.tokens == 1;
   DecodeKernel kernel = a.kernel;
@@ -626,12 +640,13 @@ void decode_step(const DecodeArgs& a, cudaStream_t stream) {
   require_tokens(s, a.q, a.k, a.v, a.g, a.beta, a.o);
   require(a.state_pool && a.slots, "delta rule decode (cuda): state_pool and slots are required");
   require(a.num_slots >= 1, "delta rule decode (cuda): num_slots must be positive");
-  const RecurrentParams p{a.q,          a.k,       a.v,          a.g,
-                          a.beta,       a.o,       a.state_pool, a.state_pool,
-                          a.slots,      nullptr,   nullptr,      a.tokens,
-                          int(s.H),     int(s.HV), int(s.V),     float(s.effective_scale()),
-                          a.token_slots};
   const bool overlap = decode_overlap(a);
+  RecurrentParams p{a.q,      a.k,       a.v,          a.g,
+                    a.beta,   a.o,       a.state_pool, a.state_pool,
+                    a.slots,  nullptr,   nullptr,      a.tokens,
+                    int(s.H), int(s.HV), int(s.V),     float(s.effective_scale())};
+  p.token_slots = a.token_slots;
+  p.state_before_wait = overlap && decode_prefetch(a);
   if (!use_head_kernel(a, s)) {
     launch_recurrent(s, a.dtype, s.B, p, stream, true, overlap);
     return;
