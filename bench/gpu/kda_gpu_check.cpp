@@ -290,6 +290,13 @@ ForwardResult run_forward(const Inputs& in, const Uploaded& u, ElementType t, bo
           download(ht.ptr, in.N * s.HV * s.K * s.V, ElementType::f32)};
 }
 
+// KDA_DECODE_PREFETCH=1: the decode checks and rows ask for DecodeArgs::prefetch_state (where
+// their launches honour its contract; the library never turns it on by itself).
+bool prefetch_requested() {
+  const char* knob = std::getenv("KDA_DECODE_PREFETCH");
+  return knob && knob[0] == '1';
+}
+
 const char* gate_name(Gate g) {
   return g == Gate::channel ? "kda" : g == Gate::scalar ? "gdn" : "delta";
 }
@@ -770,6 +777,7 @@ void check_decode(Gate gate, int64_t H, int64_t HV, int64_t K, int64_t V, Elemen
     a.num_slots = slots_n;
     a.o = o.ptr;
     a.kernel = kernel;
+    a.prefetch_state = prefetch_requested();  // one step at a time: the contract holds
     cuda::decode_step(a, nullptr);
     ck(cudaDeviceSynchronize(), "decode");
     const auto od = download(o.ptr, N * HV * V, t);
@@ -870,6 +878,7 @@ void check_decode_tokens(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV,
   a.tokens = int(T);
   a.token_slots = token_n ? token_slots_dev.as<int32_t>() : nullptr;
   a.kernel = kernel;
+  a.prefetch_state = prefetch_requested();  // one step at a time: the contract holds
   cuda::decode_step(a, nullptr);
   ck(cudaDeviceSynchronize(), "speculative decode step");
   const auto pool_after = download(pool.ptr, slots_n * state, ElementType::f32);
@@ -908,6 +917,136 @@ void check_decode_tokens(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV,
     untouched_before.insert(untouched_before.end(), before.begin(), before.end());
   }
   report(name, "==", rel_rms(untouched_now, untouched_before), 0.0);
+}
+
+// Fills n bf16 values with uniform(lo, hi) noise (rows of `row` values normalised to unit
+// length when asked): a 4M-value random block made on the host, repeated on the device (the
+// benchmarks stream far more than the L2, so repetition does not help the cache).
+void fill_device_random_bf16(const DeviceBuffer& b, size_t n, uint64_t seed, float lo, float hi,
+                             bool normalize_rows = false, int row = 0) {
+  const size_t unit = std::max<size_t>(row, 1);
+  const size_t block = std::min(n, (size_t(1) << 22) / unit * unit);
+  std::vector<uint16_t> h(block);
+  Random rng(seed);
+  for (size_t i = 0; i < block; ++i) h[i] = f32_to_bf16(rng.uniform(lo, hi));
+  if (normalize_rows) {
+    for (size_t r = 0; r < block / row; ++r) {
+      double n2 = 0;
+      for (int c = 0; c < row; ++c) {
+        const double x = bf16_to_f32(h[r * row + c]);
+        n2 += x * x;
+      }
+      const double inv = 1.0 / std::sqrt(std::max(n2, 1e-12));
+      for (int c = 0; c < row; ++c)
+        h[r * row + c] = f32_to_bf16(float(bf16_to_f32(h[r * row + c]) * inv));
+    }
+  }
+  uint16_t* dst = b.as<uint16_t>();
+  ck(cudaMemcpy(dst, h.data(), block * 2, cudaMemcpyHostToDevice), "fill");
+  for (size_t done = block; done < n;) {
+    const size_t cnt = std::min(done, n - done);
+    ck(cudaMemcpy(dst + done, dst, cnt * 2, cudaMemcpyDeviceToDevice), "fill");
+    done += cnt;
+  }
+}
+
+// The decode rows' token inputs for n tokens (bf16, H = HV heads; q, k rows of unit norm, gates
+// of gw values a head in [-0.5, -0.01], betas in [0.1, 0.9]), seeds seed .. seed + 4.
+struct DecodeBenchTokens {
+  DeviceBuffer q, k, v, g, beta, o;
+  DecodeBenchTokens(int64_t n, int64_t H, int64_t K, int64_t V, int64_t gw, uint64_t seed)
+      : q(n * H * K * 2),
+        k(n * H * K * 2),
+        v(n * H * V * 2),
+        g(n * H * gw * 2),
+        beta(n * H * 2),
+        o(n * H * V * 2) {
+    fill_device_random_bf16(q, n * H * K, seed, -1, 1, true, int(K));
+    fill_device_random_bf16(k, n * H * K, seed + 1, -1, 1, true, int(K));
+    fill_device_random_bf16(v, n * H * V, seed + 2, -1, 1);
+    fill_device_random_bf16(g, n * H * gw, seed + 3, -0.5f, -0.01f);
+    fill_device_random_bf16(beta, n * H, seed + 4, 0.1f, 0.9f);
+  }
+  void bind(cuda::DecodeArgs& a) const {
+    a.q = q.ptr, a.k = k.ptr, a.v = v.ptr, a.g = g.ptr, a.beta = beta.ptr, a.o = o.ptr;
+  }
+};
+
+// `sets` slot sets of `per_set` distinct slots of [0, slots_n), consecutive sets (cyclically, as
+// the timed steps use them) disjoint: a step may then read its states while the step before
+// still writes its own (DecodeArgs::prefetch_state's contract).
+std::vector<int32_t> rotating_slot_sets(int64_t slots_n, int64_t per_set, int sets, uint64_t seed) {
+  require(sets >= 2 && 3 * per_set <= slots_n, "rotating_slot_sets: two sets or more, 3 x per set");
+  Random rng(seed);
+  std::vector<int32_t> out(size_t(sets) * per_set), perm(slots_n);
+  std::vector<char> banned(slots_n);
+  for (int si = 0; si < sets; ++si) {
+    std::fill(banned.begin(), banned.end(), 0);
+    auto ban = [&](int set) {
+      for (int64_t j = 0; j < per_set; ++j) banned[out[size_t(set) * per_set + j]] = 1;
+    };
+    if (si > 0) ban(si - 1);
+    if (si == sets - 1 && sets > 1) ban(0);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng.engine());
+    int64_t taken = 0;
+    for (int32_t slot : perm)
+      if (!banned[slot] && taken < per_set) out[size_t(si) * per_set + taken++] = slot;
+  }
+  return out;
+}
+
+// Back-to-back decode steps as a model's decode loop or the benchmark issues them: steps over two
+// alternating, disjoint slot sets (each step reads the slots the step two back wrote), with
+// programmatic launch and the early state fetch when KDA_DECODE_PREFETCH=1 (else the plain
+// launch), queued without synchronising, against the same steps one at a time with a
+// synchronisation after each: the pool and every output bit for bit. The race check of
+// DecodeArgs::prefetch_state's contract.
+void check_decode_chain(Gate gate, int64_t B, int64_t H, cuda::DecodeKernel kernel, uint64_t seed) {
+  const int64_t K = 128, V = 128, steps = 6, slots_n = 4 * B + 8;
+  const int64_t state = H * K * V;
+  const std::vector<int32_t> sets = rotating_slot_sets(slots_n, B, 2, seed);
+  DeviceBuffer slots_dev(sets.size() * 4);
+  ck(cudaMemcpy(slots_dev.ptr, sets.data(), slots_dev.bytes, cudaMemcpyHostToDevice), "slots");
+  std::vector<float> pool_host(slots_n * state);
+  Random rng(seed + 1);
+  rng.fill_normal(pool_host);
+  for (float& x : pool_host) x *= 0.1f;
+  const int64_t gw = gate == Gate::channel ? K : 1;
+  std::vector<DecodeBenchTokens> tokens;
+  for (int64_t i = 0; i < steps; ++i) tokens.emplace_back(B, H, K, V, gw, seed + 10 * (i + 1));
+  auto run = [&](bool chained) {
+    DeviceBuffer pool(pool_host.size() * 4);
+    ck(cudaMemcpy(pool.ptr, pool_host.data(), pool.bytes, cudaMemcpyHostToDevice), "pool");
+    std::vector<double> all;
+    cuda::DecodeArgs a;
+    a.shape = DeltaRuleShape{B, 1, H, H, K, V, gate, 0};
+    a.state_pool = pool.as<float>();
+    a.num_slots = slots_n;
+    a.kernel = kernel;
+    a.overlap_launch = chained;
+    a.prefetch_state = chained && prefetch_requested();
+    for (int64_t i = 0; i < steps; ++i) {
+      tokens[i].bind(a);
+      a.slots = slots_dev.as<int32_t>() + (i % 2) * B;
+      cuda::decode_step(a, nullptr);
+      if (!chained) ck(cudaDeviceSynchronize(), "decode step");
+    }
+    ck(cudaDeviceSynchronize(), "decode chain");
+    for (int64_t i = 0; i < steps; ++i) {
+      const auto o = download(tokens[i].o.ptr, B * H * V, ElementType::bf16);
+      all.insert(all.end(), o.begin(), o.end());
+    }
+    const auto p = download(pool.ptr, slots_n * state, ElementType::f32);
+    all.insert(all.end(), p.begin(), p.end());
+    return all;
+  };
+  const std::vector<double> serial = run(false), chained = run(true);
+  char name[160];
+  std::snprintf(name, sizeof name, "decode chain %s %s B%lld H%lld x%lld steps%s",
+                kernel_name(kernel), gate_name(gate), (long long)B, (long long)H, (long long)steps,
+                prefetch_requested() ? " (state before the wait)" : "");
+  report(name, "==", rel_rms(chained, serial), 0.0);
 }
 
 // One decode step for B sequences (one token each) from random states in scrambled slots of a
@@ -955,6 +1094,9 @@ void run_decode_checks() {
   check_decode_tokens(Gate::channel, 7, 3, 2, 4, 64, f32, true, automatic, ++ds);
   check_decode_tokens(Gate::channel, 16, 1, 4, 8, 128, bf, true, head, ++ds);
   check_decode_tokens(Gate::channel, 16, 1, 4, 8, 128, bf, true, tile, ds);
+  // back-to-back steps with programmatic launch (and the early state fetch, when asked for)
+  for (Gate gate : {Gate::channel, Gate::scalar})
+    for (auto kernel : {tile, head}) check_decode_chain(gate, 16, 32, kernel, ++ds);
 }
 
 void run_checks() {
@@ -1084,37 +1226,6 @@ struct Timer {
   }
 };
 
-// Fills n bf16 values with uniform(lo, hi) noise (rows of `row` values normalised to unit
-// length when asked): a 4M-value random block made on the host, repeated on the device (the
-// benchmarks stream far more than the L2, so repetition does not help the cache).
-void fill_device_random_bf16(const DeviceBuffer& b, size_t n, uint64_t seed, float lo, float hi,
-                             bool normalize_rows = false, int row = 0) {
-  const size_t unit = std::max<size_t>(row, 1);
-  const size_t block = std::min(n, (size_t(1) << 22) / unit * unit);
-  std::vector<uint16_t> h(block);
-  Random rng(seed);
-  for (size_t i = 0; i < block; ++i) h[i] = f32_to_bf16(rng.uniform(lo, hi));
-  if (normalize_rows) {
-    for (size_t r = 0; r < block / row; ++r) {
-      double n2 = 0;
-      for (int c = 0; c < row; ++c) {
-        const double x = bf16_to_f32(h[r * row + c]);
-        n2 += x * x;
-      }
-      const double inv = 1.0 / std::sqrt(std::max(n2, 1e-12));
-      for (int c = 0; c < row; ++c)
-        h[r * row + c] = f32_to_bf16(float(bf16_to_f32(h[r * row + c]) * inv));
-    }
-  }
-  uint16_t* dst = b.as<uint16_t>();
-  ck(cudaMemcpy(dst, h.data(), block * 2, cudaMemcpyHostToDevice), "fill");
-  for (size_t done = block; done < n;) {
-    const size_t cnt = std::min(done, n - done);
-    ck(cudaMemcpy(dst + done, dst, cnt * 2, cudaMemcpyDeviceToDevice), "fill");
-    done += cnt;
-  }
-}
-
 // Two chunked forwards and backwards (KDA, 8 x 2048, H = 32) and two decode steps (B = 16),
 // for ncu.
 void run_profile() {
@@ -1178,52 +1289,6 @@ void run_profile() {
   for (int i = 0; i < 2; ++i) cuda::decode_step(a, nullptr);
   ck(cudaDeviceSynchronize(), "profile");
 }
-
-// `sets` slot sets of `per_set` distinct slots of [0, slots_n), consecutive sets (cyclically, as
-// the timed steps use them) disjoint: a step may then read its states while the step before
-// still writes its own (DecodeArgs::prefetch_state's contract).
-std::vector<int32_t> rotating_slot_sets(int64_t slots_n, int64_t per_set, int sets, uint64_t seed) {
-  require(3 * per_set <= slots_n, "rotating_slot_sets: too few slots");
-  Random rng(seed);
-  std::vector<int32_t> out(size_t(sets) * per_set), perm(slots_n);
-  std::vector<char> banned(slots_n);
-  for (int si = 0; si < sets; ++si) {
-    std::fill(banned.begin(), banned.end(), 0);
-    auto ban = [&](int set) {
-      for (int64_t j = 0; j < per_set; ++j) banned[out[size_t(set) * per_set + j]] = 1;
-    };
-    if (si > 0) ban(si - 1);
-    if (si == sets - 1 && sets > 1) ban(0);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng.engine());
-    int64_t taken = 0;
-    for (int32_t slot : perm)
-      if (!banned[slot] && taken < per_set) out[size_t(si) * per_set + taken++] = slot;
-  }
-  return out;
-}
-
-// The decode rows' token inputs for n tokens (bf16, H = HV heads; q, k rows of unit norm, gates
-// of gw values a head in [-0.5, -0.01], betas in [0.1, 0.9]), seeds seed .. seed + 4.
-struct DecodeBenchTokens {
-  DeviceBuffer q, k, v, g, beta, o;
-  DecodeBenchTokens(int64_t n, int64_t H, int64_t K, int64_t V, int64_t gw, uint64_t seed)
-      : q(n * H * K * 2),
-        k(n * H * K * 2),
-        v(n * H * V * 2),
-        g(n * H * gw * 2),
-        beta(n * H * 2),
-        o(n * H * V * 2) {
-    fill_device_random_bf16(q, n * H * K, seed, -1, 1, true, int(K));
-    fill_device_random_bf16(k, n * H * K, seed + 1, -1, 1, true, int(K));
-    fill_device_random_bf16(v, n * H * V, seed + 2, -1, 1);
-    fill_device_random_bf16(g, n * H * gw, seed + 3, -0.5f, -0.01f);
-    fill_device_random_bf16(beta, n * H, seed + 4, 0.1f, 0.9f);
-  }
-  void bind(cuda::DecodeArgs& a) const {
-    a.q = q.ptr, a.k = k.ptr, a.v = v.ptr, a.g = g.ptr, a.beta = beta.ptr, a.o = o.ptr;
-  }
-};
 
 void run_bench(const std::string& out_path) {
   std::ofstream out(out_path);
@@ -1485,6 +1550,7 @@ void run_bench(const std::string& out_path) {
       x.bind(a);
       a.state_pool = pool.as<float>();
       a.num_slots = slots_n;
+      a.prefetch_state = prefetch_requested();  // consecutive slot sets are disjoint
       auto time_rotating = [&](auto&& step) {
         return timer.median_ms(
             [&](int rep) {
@@ -1494,8 +1560,13 @@ void run_bench(const std::string& out_path) {
             5, 30, 10);
       };
       auto time_warm = [&](auto&& step) {
+        // one slot set for every call: outside DecodeArgs::prefetch_state's contract, so never
+        // with it (the warm rows time the plain programmatic launch when prefetch is asked for)
         a.slots = slots_dev.as<int32_t>();
-        return timer.median_ms([&](int) { step(); }, 5, 30, 10);
+        a.prefetch_state = false;
+        const double ms = timer.median_ms([&](int) { step(); }, 5, 30, 10);
+        a.prefetch_state = prefetch_requested();
+        return ms;
       };
       auto decode = [&] { cuda::decode_step(a, nullptr); };
       a.kernel = cuda::DecodeKernel::automatic;
@@ -1576,6 +1647,7 @@ void run_bench(const std::string& out_path) {
     a.state_pool = pool.as<float>();
     a.num_slots = slots_n;
     a.tokens = int(T);
+    a.prefetch_state = prefetch_requested();  // consecutive slot sets are disjoint
     for (bool keep : {false, true}) {
       const double ms = timer.median_ms(
           [&](int rep) {

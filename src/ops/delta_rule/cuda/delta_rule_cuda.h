@@ -186,12 +186,14 @@ struct DecodeArgs {
   // kernels; it pays only when the kernel before also lets dependents start early (another
   // decode step does). Off by default.
   bool overlap_launch = false;
-  // With overlap_launch: read the states (and slots, token_slots) before waiting for the
-  // previous kernel; only q, k, v, g and beta wait for it. The state fetch, the step's bulk, then
-  // overlaps that kernel's tail. Only when the kernel just before on the stream writes none of
-  // those (a model's decode loop: the projections before the step; not a decode step of the same
-  // slots). Earlier kernels have completed by then: every kernel of ours lets its dependents
-  // start only after its own wait. Off by default.
+  // With overlap_launch: read the states (through L2) and the slot arrays before waiting for the
+  // previous kernel; only q, k, v, g and beta wait for it, so the state fetch, the step's bulk,
+  // overlaps that kernel's tail. The caller vouches that (a) the kernel just before on the stream
+  // writes none of those, and (b) if that kernel was itself launched with programmatic
+  // serialization, it lets its dependents start only after its own griddepcontrol.wait (or never),
+  // so that every kernel before it has completed: true of the decode kernels here (consecutive
+  // decode steps on disjoint slots, as kda_gpu_check's chain check runs them); a model must check
+  // the kernels it puts before the step. Off by default; KDA_DECODE_PREFETCH=0 forces it off.
   bool prefetch_state = false;
   DecodeKernel kernel = DecodeKernel::automatic;
 };

@@ -69,6 +69,14 @@ struct RecurrentParams {
   bool state_before_wait = false;
 };
 
+// A state row read once, through L2 only (ld.global.cg): no L1 line is kept, and none that an
+// earlier kernel left on this SM is used (the decode step may read before its programmatic wait).
+__device__ __forceinline__ void load4_l2(const float* p, float out[4]) {
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(out[0]), "=f"(out[1]), "=f"(out[2]), "=f"(out[3])
+               : "l"(p));
+}
+
 // Programmatic dependent launch (no-ops unless launched with programmatic stream serialization):
 // wait for the previous kernel on the stream, then let the next one be scheduled. Triggering only
 // after the wait keeps the chain's invariant that when a kernel starts, every kernel before its
@@ -122,7 +130,12 @@ __global__ void __launch_bounds__(kThreads, DECODE ? 8 : 1)
   if (p.h_in) {
     const float* src = p.h_in + state_off + size_t(row0) * p.V + col;
 #pragma unroll
-    for (int r = 0; r < R; ++r) load4(src + size_t(r) * p.V, s[r]);
+    for (int r = 0; r < R; ++r) {
+      if constexpr (DECODE)
+        load4_l2(src + size_t(r) * p.V, s[r]);
+      else
+        load4(src + size_t(r) * p.V, s[r]);
+    }
   } else {
 #pragma unroll
     for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = s[r][2] = s[r][3] = 0.f;
@@ -283,7 +296,7 @@ __global__ void __launch_bounds__(kHeadThreads, 4) decode_head_kernel(const Recu
   }
   float s[RR][4];
 #pragma unroll
-  for (int r = 0; r < RR; ++r) load4(src + size_t(warp * RR + r) * V + lane * 4, s[r]);
+  for (int r = 0; r < RR; ++r) load4_l2(src + size_t(warp * RR + r) * V + lane * 4, s[r]);
   // prefetch_state: the state is in flight; the token's vectors come from the previous kernel
   if (p.state_before_wait) wait_for_previous_kernel();
 
@@ -598,9 +611,10 @@ bool decode_overlap(const DecodeArgs& a) {
 }
 
 bool decode_prefetch(const DecodeArgs& a) {
-  // Kernel-lab knob: KDA_DECODE_PREFETCH=0|1 overrides DecodeArgs::prefetch_state (timing only).
-  if (const char* knob = std::getenv("KDA_DECODE_PREFETCH")) return knob[0] == '1';
-  return a.prefetch_state;
+  // Only where the caller vouches for the contract (DecodeArgs::prefetch_state); the kernel-lab
+  // knob KDA_DECODE_PREFETCH=0 can turn it off, never on.
+  const char* knob = std::getenv("KDA_DECODE_PREFETCH");
+  return a.prefetch_state && !(knob && knob[0] == '0');
 }
 
 bool use_head_kernel(const DecodeArgs& a, const DeltaRuleShape& s) {
