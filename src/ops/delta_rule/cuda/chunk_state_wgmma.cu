@@ -217,19 +217,21 @@ __global__ void __launch_bounds__(kThreads, 2)
       const uint32_t off = (ks >> 2) * kTile + (ks & 3) * 32;
       wgmma_m64n64k16_ss(accP, sw128_desc(sQ + off), sw128_desc(sS0T + off), ks > 0);
     }
-    if constexpr (FORM_M) {
+    wgmma_commit();
+    if constexpr (FORM_M) {  // its own group: Q K^T runs on while D is formed below
       const unsigned char* k_tile = sKd + buf * L::bytes_k;  // RAW: the k rows
 #pragma unroll
       for (int ks = 0; ks < K / 16; ++ks) {
         const uint32_t off = (ks >> 2) * kTile + (ks & 3) * 32;
         wgmma_m64n64k16_ss(accM, sw128_desc(sQ + off), sw128_desc(k_tile + off), ks > 0);
       }
+      wgmma_commit();
+      wgmma_wait<1>();  // D and P
+    } else {
+      wgmma_wait<0>();
     }
-    wgmma_commit();
-    wgmma_wait<0>();
     fence_operands(accD);
     fence_operands(accP);
-    if constexpr (FORM_M) fence_operands(accM);
     __syncthreads();  // every warp past the products before S0^T's space takes D^T
 
     // D = U - W S0 (bf16) -> D^T; RAW: Dk = 2^(G_C - G_r) D -> Dk^T and P rows times scale 2^G_r
@@ -272,6 +274,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     // fragments of O += M D: afm[J] covers columns 16 J .. 16 J + 15
     [[maybe_unused]] uint32_t afm[FORM_M ? C / 16 : 1][4];
     if constexpr (FORM_M) {
+      wgmma_wait<0>();  // Q K^T (before the barrier below: sQ is refilled after it)
+      fence_operands(accM);
       float gi[2];
 #pragma unroll
       for (int half = 0; half < 2; ++half) gi[half] = gc[16 * warp + g + 8 * half];
