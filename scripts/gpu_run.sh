@@ -8,22 +8,22 @@
 # ../shared/fixtures/models; only gpt2_tiny keeps grads/, for the gpt2_train suite; ../shared
 # does not travel). How to fill gpu_carry/: docs/GPU_NOTES.md, "Preparing gpu_carry".
 #
-#   scripts/gpu_run.sh [--check-only | --bench-only | --no-fla | --model | --train | --lab]
+#   scripts/gpu_run.sh [--check-only | --bench-only | --no-fla | --model | --train | --lab |
+#                       --lab-rows]
 #
 # --no-fla: everything but timing fla (a quicker call).
 # --model:  the model path (checks + benchmarks) and the delta-rule kernels' checks only.
-# --lab:    the open experiments in one short call: kda_gpu_check --check (the kernels, the
-#           forced pipeline among them), the chunked forward rows
-#           with the defaults, kda_gpu_train --check (the lineage GPU trainer against the CPU
-#           one: the head over gathered scored rows and over all rows), then kda_gpu_train
-#           --profile-recall (where a recall step's time goes). The checks and the trainer's
-#           checks run a second time with KDA_STATE_WGMMA=1 (the wgmma state walk), and the rows
-#           are timed again under each ';'-separated knob set of KDA_LAB_KNOBS (default: the
-#           wgmma walk, then it without the pipeline, without the GDN raw path, with GDN's M
-#           from chunk_prepare instead of formed in the walk (KDA_GDN_STATE_M=0), then the
-#           state walk alone, mma.sync and wgmma). Then the decode checks with the state
-#           fetched before the programmatic wait, and the decode rows without PDL, with it, and
-#           with the early state fetch.
+# --lab:    the open experiments' checks in one call (~6 minutes): kda_gpu_check --check, the
+#           same with KDA_STATE_WGMMA=1 (session 12's wgmma state walk in place of the mma.sync
+#           one), the decode checks with KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1 (the state
+#           fetched before the programmatic wait; the back-to-back chain check among them), the
+#           chunked forward rows with the defaults and with the wgmma walk (KDA_LAB_KNOBS: other
+#           ';'-separated knob sets), kda_gpu_train --check (the lineage GPU trainer against the
+#           CPU one) plain and with the wgmma walk, then kda_gpu_train --profile-recall.
+# --lab-rows: the experiments' timings only (the next call, ~3 minutes): the chunked rows with
+#           the wgmma walk unpipelined, without the GDN raw path, with GDN's M from chunk_prepare
+#           (KDA_GDN_STATE_M=0), the state walk alone on both walks (KDA_LAB_ROW_KNOBS overrides),
+#           and the decode rows without PDL, with it, and with the early state fetch.
 # --train:  training on the GPU only: one build (kda, kda_gpu_model, kda_gpu_train; needs
 #           gpu_carry/pcre2), the training kernels' checks (attention, attention_bwd,
 #           lineage_ops, linear_attn, train, gpt2_train, gemm), the lineage GPU trainer against the
@@ -65,6 +65,18 @@ build_app() {
   echo "built in $(($(date +%s) - start)) s"
 }
 
+# chunked forward rows (kda_gpu_check --bench, KDA_BENCH_ONLY=chunk) once per ';'-separated knob set
+chunk_rows() {
+  local knob_sets knobs
+  IFS=';' read -r -a knob_sets <<<"$1"
+  for knobs in "${knob_sets[@]}"; do
+    echo "== chunked forward rows with: ${knobs:-(defaults)}"
+    # shellcheck disable=SC2086
+    env $knobs KDA_BENCH_ONLY=chunk timeout 150 ./build-gpu-app/bin/kda_gpu_check --bench 2>&1 |
+      grep -E "chunk_fwd (kda|kda-layer|gdn) "
+  done
+}
+
 if [ "$mode" = "--lab" ]; then
   build_app kda kda_gpu_check kda_gpu_train  # (kda: scripts/recall_grid.sh can start next)
   echo "== kda_gpu_check --check"
@@ -79,26 +91,15 @@ if [ "$mode" = "--lab" ]; then
     >"$log_dir/lab_check_wgmma.log" 2>&1 || status=1
   grep -E "FAIL|NOTE" "$log_dir/lab_check_wgmma.log" | head -20
   echo "wgmma checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_check_wgmma.log") pass"
-  IFS=';' read -r -a knob_sets <<<"${KDA_LAB_KNOBS:-KDA_STATE_WGMMA=1;KDA_STATE_WGMMA=1 KDA_PIPELINE=0;KDA_STATE_WGMMA=1 KDA_GDN_RAW=0;KDA_STATE_WGMMA=1 KDA_GDN_STATE_M=0;KDA_CHUNK_STAGES=state;KDA_CHUNK_STAGES=state KDA_STATE_WGMMA=1}"
-  for knobs in "" "${knob_sets[@]}"; do
-    echo "== chunked forward rows with: ${knobs:-(defaults)}"
-    # shellcheck disable=SC2086
-    env $knobs KDA_BENCH_ONLY=chunk timeout 150 ./build-gpu-app/bin/kda_gpu_check --bench 2>&1 |
-      grep -E "chunk_fwd (kda|kda-layer|gdn) "
-  done
   # decode (session 12, compiled only): the state fetched before the programmatic wait
-  # (KDA_DECODE_PREFETCH, with KDA_DECODE_OVERLAP) and a few tokens per sequence
+  # (KDA_DECODE_PREFETCH, with KDA_DECODE_OVERLAP): the decode checks, the back-to-back chain
+  # among them
   echo "== kda_gpu_check --decode --check with KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1"
   KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1 timeout 120 ./build-gpu-app/bin/kda_gpu_check \
     --decode --check >"$log_dir/lab_decode_check.log" 2>&1 || status=1
   grep -E "FAIL" "$log_dir/lab_decode_check.log" | head -20
   echo "decode checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_decode_check.log") pass"
-  for knobs in "" "KDA_DECODE_OVERLAP=1" "KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1"; do
-    echo "== decode rows with: ${knobs:-(defaults)}"
-    # shellcheck disable=SC2086
-    env $knobs timeout 120 ./build-gpu-app/bin/kda_gpu_check --decode --bench 2>&1 |
-      grep -E "BENCH decode (kda|gdn) B=(16|128) (auto|same)|BENCH decode kda B=16 tokens"
-  done
+  chunk_rows "${KDA_LAB_KNOBS:-;KDA_STATE_WGMMA=1}"
   echo "== kda_gpu_train --check"
   timeout 240 ./build-gpu-app/bin/kda_gpu_train --check >"$log_dir/lab_train_check.log" 2>&1 ||
     status=1
@@ -112,6 +113,18 @@ if [ "$mode" = "--lab" ]; then
   echo "== kda_gpu_train --profile-recall"
   timeout 150 ./build-gpu-app/bin/kda_gpu_train --profile-recall 2>&1 | grep -E "PROFILE|BENCH"
   exit "$status"
+fi
+
+if [ "$mode" = "--lab-rows" ]; then
+  build_app kda_gpu_check
+  chunk_rows "${KDA_LAB_ROW_KNOBS:-KDA_STATE_WGMMA=1 KDA_PIPELINE=0;KDA_STATE_WGMMA=1 KDA_GDN_RAW=0;KDA_STATE_WGMMA=1 KDA_GDN_STATE_M=0;KDA_CHUNK_STAGES=state;KDA_CHUNK_STAGES=state KDA_STATE_WGMMA=1}"
+  for knobs in "" "KDA_DECODE_OVERLAP=1" "KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1"; do
+    echo "== decode rows with: ${knobs:-(defaults)}"
+    # shellcheck disable=SC2086
+    env $knobs timeout 120 ./build-gpu-app/bin/kda_gpu_check --decode --bench 2>&1 |
+      grep -E "BENCH decode (kda|gdn) B=(16|128) (auto|same)|BENCH decode kda B=16 tokens"
+  done
+  exit 0
 fi
 
 if [ "$mode" = "--train" ]; then
