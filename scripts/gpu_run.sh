@@ -14,16 +14,17 @@
 # --no-fla: everything but timing fla (a quicker call).
 # --model:  the model path (checks + benchmarks) and the delta-rule kernels' checks only.
 # --lab:    the open experiments' checks in one call (~6 minutes): kda_gpu_check --check, the
-#           same with KDA_STATE_WGMMA=1 (session 12's wgmma state walk in place of the mma.sync
-#           one), the decode checks with KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1 (the state
+#           same with KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1 (session 12's wgmma state walks,
+#           forward and reverse, in place of the mma.sync ones), the decode checks with KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1 (the state
 #           fetched before the programmatic wait; the back-to-back chain check among them), the
 #           chunked forward rows with the defaults and with the wgmma walk (KDA_LAB_KNOBS: other
 #           ';'-separated knob sets), kda_gpu_train --check (the lineage GPU trainer against the
-#           CPU one) plain and with the wgmma walk, then kda_gpu_train --profile-recall.
+#           CPU one) plain and with the wgmma walks, then kda_gpu_train --profile-recall.
 # --lab-rows: the experiments' timings only (the next call, ~3 minutes): the chunked rows with
 #           the wgmma walk unpipelined, without the GDN raw path, with GDN's M from chunk_prepare
 #           (KDA_GDN_STATE_M=0), the state walk alone on both walks (KDA_LAB_ROW_KNOBS overrides),
-#           and the decode rows without PDL, with it, and with the early state fetch.
+#           the KDA forward + backward rows on the mma.sync and the wgmma walks, and the decode
+#           rows without PDL, with it, and with the early state fetch.
 # --train:  training on the GPU only: one build (kda, kda_gpu_model, kda_gpu_train; needs
 #           gpu_carry/pcre2), the training kernels' checks (attention, attention_bwd,
 #           lineage_ops, linear_attn, train, gpt2_train, gemm), the lineage GPU trainer against the
@@ -84,10 +85,12 @@ if [ "$mode" = "--lab" ]; then
   status=$?
   grep -E "FAIL|NOTE" "$log_dir/lab_check.log" | head -20
   echo "checks: exit $status, $(grep -c "^CHECK.*PASS" "$log_dir/lab_check.log") pass"
-  # the wgmma state walk (chunk_state_wgmma.cu, session 12, compiled only): every check again
-  # with it in place of the mma.sync walk (forward, pipelined, backward recompute, trainer)
-  echo "== kda_gpu_check --check with KDA_STATE_WGMMA=1"
-  KDA_STATE_WGMMA=1 timeout 240 ./build-gpu-app/bin/kda_gpu_check --check \
+  # the wgmma state walks (chunk_state_wgmma.cu, chunk_state_bwd_wgmma.cu; session 12, compiled
+  # only): every check again with them in place of the mma.sync walks (forward, pipelined,
+  # backward and its recompute, trainer); forward checks failing point at the forward walk,
+  # backward ones with the forward's passing at the reverse walk
+  echo "== kda_gpu_check --check with KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1"
+  KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1 timeout 240 ./build-gpu-app/bin/kda_gpu_check --check \
     >"$log_dir/lab_check_wgmma.log" 2>&1 || status=1
   grep -E "FAIL|NOTE" "$log_dir/lab_check_wgmma.log" | head -20
   echo "wgmma checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_check_wgmma.log") pass"
@@ -105,8 +108,8 @@ if [ "$mode" = "--lab" ]; then
     status=1
   grep -E "FAIL" "$log_dir/lab_train_check.log" | head -20
   tail -1 "$log_dir/lab_train_check.log"
-  echo "== KDA_STATE_WGMMA=1 kda_gpu_train --check"
-  KDA_STATE_WGMMA=1 timeout 240 ./build-gpu-app/bin/kda_gpu_train --check \
+  echo "== KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1 kda_gpu_train --check"
+  KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1 timeout 240 ./build-gpu-app/bin/kda_gpu_train --check \
     >"$log_dir/lab_train_check_wgmma.log" 2>&1 || status=1
   grep -E "FAIL" "$log_dir/lab_train_check_wgmma.log" | head -20
   tail -1 "$log_dir/lab_train_check_wgmma.log"
@@ -118,6 +121,12 @@ fi
 if [ "$mode" = "--lab-rows" ]; then
   build_app kda_gpu_check
   chunk_rows "${KDA_LAB_ROW_KNOBS:-KDA_STATE_WGMMA=1 KDA_PIPELINE=0;KDA_STATE_WGMMA=1 KDA_GDN_RAW=0;KDA_STATE_WGMMA=1 KDA_GDN_STATE_M=0;KDA_CHUNK_STAGES=state;KDA_CHUNK_STAGES=state KDA_STATE_WGMMA=1}"
+  for knobs in "" "KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1"; do
+    echo "== KDA forward + backward rows with: ${knobs:-(defaults)}"
+    # shellcheck disable=SC2086
+    env $knobs KDA_BENCH_ONLY=kda timeout 200 ./build-gpu-app/bin/kda_gpu_check --bench 2>&1 |
+      grep -E "BENCH chunk_fwd\+bwd"
+  done
   for knobs in "" "KDA_DECODE_OVERLAP=1" "KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1"; do
     echo "== decode rows with: ${knobs:-(defaults)}"
     # shellcheck disable=SC2086

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""A lane-level model of chunk_state_wgmma.cu's data movement for one chunk of one block, on the
-CPU (session 12's desk check of the kernel, which had no GPU to run on).
+"""A lane-level model of chunk_state_wgmma.cu's and chunk_state_bwd_wgmma.cu's data movement for
+one chunk of one block, on the CPU (session 12's desk check of the kernels, which had no GPU to
+run on). The backward: dS^T and -dD^T by stmatrix .trans, dO^T by ldmatrix then stmatrix
+.trans, M^T / Qt^T / W^T as register A fragments; dD and the new dS held to a direct computation.
 
 It moves values the way the kernel's threads do: cp.async into 128-byte-swizzled tiles
 (sw128_offset), S0^T and D^T written by stmatrix .trans from the accumulator pairs, Kd^T read by
@@ -222,6 +224,129 @@ def run(K,RAW,FORM_M=False,seed=1):
                     for e in range(2):
                         assert abs(S[tid][mt][4*j+2*h+e]-Sref[rr][c+e])<1e-6*max(1,abs(Sref[rr][c+e])),("S",rr,c+e,S[tid][mt][4*j+2*h+e],Sref[rr][c+e])
     print("ok K=%d RAW=%s FORM_M=%s"%(K,RAW,FORM_M))
+def ldmatrix_x4(sm,addr_of_tid):
+    # no transpose: lane gets (stored row lane/4, columns 2 (lane % 4), + 1) of each matrix
+    out={}
+    for w in range(4):
+        for jm in range(4):
+            rows=[[sm.ld(addr_of_tid[32*w+8*jm+i]+2*c) for c in range(8)] for i in range(8)]
+            for lane in range(32):
+                g=lane>>2;t=lane&3
+                out.setdefault(32*w+lane,[None]*4)[jm]=(rows[g][2*t],rows[g][2*t+1])
+    return out
+def store_transposed_frags(sm,tile,frags,row0_of_warp,col0):
+    # frags[tid] = 4 (lo, hi) pairs in the m16k16 fragment order; chunk_wgmma.cuh's
+    # store_fragment_transposed
+    addr={}
+    for tid,w,lane,g,t in lanes():
+        jj=lane>>3;i=lane&7
+        addr[tid]=tile+sw(col0+8*(jj>>1)+i,row0_of_warp(w)+8*(jj&1))
+    stmatrix_x4_trans(sm,addr,frags,None)
+def run_bwd(K,seed=3):
+    # chunk_state_bwd_wgmma.cu, one chunk: dD = Kd dS + M^T dO, dS' = gC dS + Qt^T dO - W^T dD
+    random.seed(seed)
+    MT=K//64; bytes_k=(K//64)*kTile
+    off_w=0; off_q=bytes_k; off_kd=2*bytes_k; off_m=3*bytes_k; off_do=off_m+kTile
+    off_dot=off_do+kTile; off_ds=off_dot+kTile
+    rnd=lambda: float(random.randint(-3,3))
+    W=[[rnd() for _ in range(K)] for _ in range(C)]
+    Qt=[[rnd() for _ in range(K)] for _ in range(C)]
+    Kd=[[rnd() for _ in range(K)] for _ in range(C)]
+    M=[[rnd() if j<=i else 0.0 for j in range(C)] for i in range(C)]
+    dO=[[rnd() for _ in range(64)] for _ in range(C)]
+    dS0=[[rnd() for _ in range(64)] for _ in range(K)]
+    gc=[float(random.randint(0,2)) for _ in range(K)]
+    sm=Smem(0)
+    def load(dst,X,width):
+        for r in range(len(X)):
+            for col in range(width):
+                sm.st(dst+(col>>6)*kTile+sw(r,col&63),X[r][col])
+    load(off_w,W,K); load(off_q,Qt,K); load(off_kd,Kd,K); load(off_m,M,C); load(off_do,dO,64)
+    dS={tid:[[0.0]*32 for _ in range(MT)] for tid in range(128)}
+    for tid,w,lane,g,t in lanes():
+        for mt in range(MT):
+            for j in range(8):
+                for h in range(2):
+                    r=64*mt+16*w+g+8*h;c=8*j+2*t
+                    dS[tid][mt][4*j+2*h]=dS0[r][c]; dS[tid][mt][4*j+2*h+1]=dS0[r][c+1]
+    # dS^T
+    for mt in range(MT):
+        frags_by_kk=[{} for _ in range(4)]
+        for tid in range(128):
+            s_=dS[tid][mt]
+            pairs=[[(s_[4*j+2*h],s_[4*j+2*h+1]) for h in range(2)] for j in range(8)]
+            for kk in range(4):
+                frags_by_kk[kk][tid]=[pairs[2*kk][0],pairs[2*kk][1],pairs[2*kk+1][0],pairs[2*kk+1][1]]
+        for kk in range(4):
+            store_transposed_frags(sm,off_ds+mt*kTile,frags_by_kk[kk],lambda w:16*w,16*kk)
+    # dO^T: ldmatrix (no trans) of the warp's 16 rows, then stmatrix .trans
+    for kk in range(4):
+        addr={}
+        for tid,w,lane,g,t in lanes():
+            r=16*w+(lane&7)+((lane>>3)&1)*8; c=16*kk+(lane>>4)*8
+            addr[tid]=off_do+sw(r,c)
+        fr=ldmatrix_x4(sm,addr)
+        store_transposed_frags(sm,off_dot,fr,lambda w:16*w,16*kk)
+    # dD
+    am={}
+    for J in range(4):
+        addr={}
+        for tid,w,lane,g,t in lanes():
+            m0=16*w;k0=16*J
+            r=k0+(lane&7)+(lane>>4)*8; c=m0+((lane>>3)&1)*8
+            addr[tid]=off_m+(c>>6)*kTile+sw(r,c&63)
+        res=ldmatrix_x4_trans(sm,addr)
+        for tid in range(128): am[(tid,J)]=res[tid]
+    accD={tid:[0.0]*32 for tid in range(128)}
+    for ks in range(K//16):
+        off=(ks>>2)*kTile+(ks&3)*32
+        wgmma_ss(accD,sm,off_kd+off,off_ds+off,ks>0)
+    for J in range(4): wgmma_rs(accD,{tid:am[(tid,J)] for tid in range(128)},sm,off_dot+J*32)
+    Dref=[[sum(Kd[i][k]*dS0[k][c] for k in range(K))+sum(M[j][i]*dO[j][c] for j in range(C)) for c in range(64)] for i in range(C)]
+    npairs={}
+    for tid,w,lane,g,t in lanes():
+        p_=[[None,None] for _ in range(8)]
+        for j in range(8):
+            for h in range(2):
+                r=16*w+g+8*h;c=8*j+2*t
+                for e in range(2):
+                    assert accD[tid][4*j+2*h+e]==Dref[r][c+e],("dD",r,c+e)
+                p_[j][h]=(-accD[tid][4*j+2*h],-accD[tid][4*j+2*h+1])
+        npairs[tid]=p_
+    for kk in range(4):
+        fr={tid:[npairs[tid][2*kk][0],npairs[tid][2*kk][1],npairs[tid][2*kk+1][0],npairs[tid][2*kk+1][1]] for tid in range(128)}
+        store_transposed_frags(sm,off_ds,fr,lambda w:16*w,16*kk)
+    # dS update
+    for mt in range(MT):
+        aq={};aw={}
+        for J in range(4):
+            addr={}
+            for tid,w,lane,g,t in lanes():
+                m0=64*mt+16*w;k0=16*J
+                r=k0+(lane&7)+(lane>>4)*8; c=m0+((lane>>3)&1)*8
+                addr[tid]=(c>>6)*kTile+sw(r,c&63)
+            rq=ldmatrix_x4_trans(sm,{tid:off_q+a for tid,a in addr.items()})
+            rw=ldmatrix_x4_trans(sm,{tid:off_w+a for tid,a in addr.items()})
+            for tid in range(128): aq[(tid,J)]=rq[tid]; aw[(tid,J)]=rw[tid]
+        for tid,w,lane,g,t in lanes():
+            m0=64*mt+16*w; ga=gc[m0+g]; gb=gc[m0+g+8]
+            for j in range(8):
+                dS[tid][mt][4*j]*=ga;dS[tid][mt][4*j+1]*=ga;dS[tid][mt][4*j+2]*=gb;dS[tid][mt][4*j+3]*=gb
+        Smt={tid:dS[tid][mt] for tid in range(128)}
+        for J in range(4):
+            wgmma_rs(Smt,{tid:aq[(tid,J)] for tid in range(128)},sm,off_dot+J*32)
+            wgmma_rs(Smt,{tid:aw[(tid,J)] for tid in range(128)},sm,off_ds+J*32)
+    Sref=[[gc[k]*dS0[k][c]+sum(Qt[j][k]*dO[j][c] for j in range(C))-sum(W[j][k]*Dref[j][c] for j in range(C)) for c in range(64)] for k in range(K)]
+    for tid,w,lane,g,t in lanes():
+        for mt in range(MT):
+            for j in range(8):
+                for h in range(2):
+                    r=64*mt+16*w+g+8*h;c=8*j+2*t
+                    for e in range(2):
+                        assert dS[tid][mt][4*j+2*h+e]==Sref[r][c+e],("dS",r,c+e)
+    print("ok backward K=%d"%K)
 for K in (64,128):
     for RAW,FORM_M in ((False,False),(True,False),(True,True)):
         run(K,RAW,FORM_M)
+for K in (64,128):
+    run_bwd(K)

@@ -148,6 +148,12 @@ void launch_chunk_state_wgmma(const ChunkTokens& x, const ChunkWorkspace& ws, in
                               int K, int V, cudaStream_t stream);
 void launch_chunk_state_bwd(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd,
                             int64_t num_seqs, int K, int V, cudaStream_t stream);
+// chunk_state_bwd_wgmma.cu: the reverse walk on wgmma (kernel lab: KDA_STATE_BWD_WGMMA=1 on a
+// compute-capability-9 device; launch_chunk_state_bwd then takes it)
+bool chunk_state_bwd_uses_wgmma(int K, int V);
+void launch_chunk_state_bwd_wgmma(const ChunkTokens& x, const ChunkWorkspace& ws,
+                                  const ChunkGrads& gd, int64_t num_seqs, int K, int V,
+                                  cudaStream_t stream);
 void launch_chunk_bwd_local(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd,
                             Gate gate, int K, int V, cudaStream_t stream);
 // dq/dk [tokens, H, K] (bf16): for grouped value heads (gd.dq_part set) the sum over each

@@ -30,18 +30,14 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "ops/common/wgmma.cuh"
-#include "ops/delta_rule/cuda/chunk_kernels.cuh"
-#include "ops/delta_rule/cuda/device_common.cuh"
+#include "ops/delta_rule/cuda/chunk_wgmma.cuh"
 
 namespace kda::ops::cuda_detail {
 namespace {
 
 using bf16 = __nv_bfloat16;
+using namespace walk_wgmma;
 constexpr int C = kChunk;
-constexpr int kCols = 64;         // state columns per block
-constexpr int kThreads = 128;     // one warpgroup
-constexpr uint32_t kTile = 8192;  // one swizzled tile: 64 rows of 128 bytes (64 bf16)
 
 template <int K, bool RAW>
 struct WgmmaStateLayout {
@@ -59,38 +55,6 @@ struct WgmmaStateLayout {
   static constexpr uint32_t total = off_gc + 2 * K * 4;
   static constexpr size_t launch_bytes = total + 1024;  // + the 1024-byte alignment of the base
 };
-
-#ifdef KDA_WGMMA
-// Rows [0, C) of a [C][kWidth] bf16 operand (row stride `stride` elements) into 64-wide swizzled
-// tiles kTile apart, by cp.async; rows >= valid are zero-filled.
-template <int kWidth>
-__device__ __forceinline__ void load_sw128(unsigned char* dst, const bf16* src, int64_t stride,
-                                           int valid, int tid) {
-  load_rows_sw128<kThreads, kWidth>(dst, kTile, src, stride, C, valid, tid);
-}
-
-// The register A fragment (16 x 16) of A = X^T at (m0, k0), X [C][K] in swizzled tiles:
-// A(m, k) = X[k][m] (load_a_trans's addressing through sw128_offset).
-__device__ __forceinline__ void load_a_trans_sw128(uint32_t (&a)[4], const unsigned char* x, int m0,
-                                                   int k0, int lane) {
-  const int r = k0 + (lane & 7) + (lane >> 4) * 8, c = m0 + ((lane >> 3) & 1) * 8;
-  ldmatrix_x4_trans(a, x + (c >> 6) * kTile + sw128_offset(r, c & 63));
-}
-
-// A 64 x 64 accumulator's bf16 pairs (this warp's rows) stored transposed into a swizzled tile:
-// tile row = accumulator column, tile column = accumulator row (16 w + 8 (matrix & 1) + ...).
-// pairs[n][half]: columns 8 n + 2 t, + 1 of row g + 8 half.
-__device__ __forceinline__ void store_transposed(unsigned char* tile, const uint32_t (&pairs)[8][2],
-                                                 int warp, int lane) {
-  const int j = lane >> 3, i = lane & 7;
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    const uint32_t fr[4] = {pairs[2 * kk][0], pairs[2 * kk][1], pairs[2 * kk + 1][0],
-                            pairs[2 * kk + 1][1]};
-    stmatrix_x4_trans(tile + sw128_offset(16 * kk + 8 * (j >> 1) + i, 16 * warp + 8 * (j & 1)), fr);
-  }
-}
-#endif
 
 template <int K, int V, bool RAW, bool FORM_M>
 __global__ void __launch_bounds__(kThreads, 2)
@@ -155,18 +119,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   // column col0 + 8 j + 2 t + (e & 1).
   float S[MT][32];
   const size_t state_off = (size_t(n) * x.HV + hv) * size_t(K) * V + col0;
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = 64 * mt + 16 * warp + g + 8 * half, c = 8 * j + 2 * t;
-        float2 v = make_float2(0.f, 0.f);
-        if (x.h0) v = *reinterpret_cast<const float2*>(x.h0 + state_off + size_t(r) * V + c);
-        S[mt][4 * j + 2 * half] = v.x;
-        S[mt][4 * j + 2 * half + 1] = v.y;
-      }
+  load_state_tile(S, x.h0 ? x.h0 + state_off : nullptr, V, warp, lane);
 
   if (nchunks > 0) {
     load_wqu(chunk0, 0);
@@ -180,23 +133,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     const size_t head_chunk = size_t(chunk) * x.HV + hv;
 
     // S0^T (bf16) for this chunk's products; the backward keeps S0 as they see it
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      uint32_t pairs[8][2];
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          pairs[j][half] = pack_bf16(S[mt][4 * j + 2 * half], S[mt][4 * j + 2 * half + 1]);
-          if (ws.S0) {
-            const int r = 64 * mt + 16 * warp + g + 8 * half;
-            *reinterpret_cast<uint32_t*>(ws.S0 + (head_chunk * K + r) * V + col0 + 8 * j + 2 * t) =
-                pairs[j][half];
-          }
-        }
-      // this m-tile's state rows are columns [64 mt, 64 mt + 64) of S0^T: tile mt
-      store_transposed(sS0T + mt * kTile, pairs, warp, lane);
-    }
+    store_state_bf16(sS0T, ws.S0 ? ws.S0 + head_chunk * K * V + col0 : nullptr, V, S, warp, lane);
     cp_async_wait<0>();  // W / Qt / U and M / Kd of this chunk
     fence_proxy_async();
     __syncthreads();
@@ -368,18 +305,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     __syncthreads();  // D^T read by every warp's products before the next S0^T overwrites it
   }
 
-  if (x.ht) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = 64 * mt + 16 * warp + g + 8 * half, c = 8 * j + 2 * t;
-          *reinterpret_cast<float2*>(x.ht + state_off + size_t(r) * V + c) =
-              make_float2(S[mt][4 * j + 2 * half], S[mt][4 * j + 2 * half + 1]);
-        }
-  }
+  if (x.ht) store_state_tile(x.ht + state_off, S, V, warp, lane);
 #else
   __trap();
 #endif
@@ -390,12 +316,7 @@ void launch(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, cu
   using L = WgmmaStateLayout<K, RAW>;
   const auto kernel = chunk_state_wgmma_kernel<K, V, RAW, FORM_M>;
   static const bool configured = [&] {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(L::launch_bytes)),
-               "chunk_state_wgmma shared memory limit");
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                    int(cudaSharedmemCarveoutMaxShared)),
-               "chunk_state_wgmma shared memory carveout");
+    configure_walk_kernel(kernel, L::launch_bytes, "chunk_state_wgmma shared memory");
     return true;
   }();
   (void)configured;
