@@ -70,16 +70,20 @@ def stmatrix_x4_trans(sm,addr_of_tid,regs_of_tid,warp):
                     lane=4*gg+i//2
                     v=regs_of_tid[32*w+lane][jm][i&1]
                     sm.st(addr+2*gg,v)
-def ldmatrix_x4_trans(sm,addr_of_tid):
+def ldmatrix_x4(sm,addr_of_tid,trans=False):
+    # lane 8 j + i gives the address of stored row i of matrix j; each lane gets two elements of
+    # every matrix: (row lane/4, columns 2 (lane % 4), + 1), of the matrix or, .trans, of its transpose
     out={}
     for w in range(4):
         for jm in range(4):
             rows=[[sm.ld(addr_of_tid[32*w+8*jm+i]+2*c) for c in range(8)] for i in range(8)]
             for lane in range(32):
                 g=lane>>2;t=lane&3
-                # trans: thread gets (stored[2t][g], stored[2t+1][g])
-                out.setdefault(32*w+lane,[None]*4)[jm]=(rows[2*t][g],rows[2*t+1][g])
+                pair=(rows[2*t][g],rows[2*t+1][g]) if trans else (rows[g][2*t],rows[g][2*t+1])
+                out.setdefault(32*w+lane,[None]*4)[jm]=pair
     return out
+def ldmatrix_x4_trans(sm,addr_of_tid):
+    return ldmatrix_x4(sm,addr_of_tid,trans=True)
 def run(K,RAW,FORM_M=False,seed=1):
     random.seed(seed)
     MT=K//64; bytes_k=(K//64)*kTile
@@ -224,16 +228,6 @@ def run(K,RAW,FORM_M=False,seed=1):
                     for e in range(2):
                         assert abs(S[tid][mt][4*j+2*h+e]-Sref[rr][c+e])<1e-6*max(1,abs(Sref[rr][c+e])),("S",rr,c+e,S[tid][mt][4*j+2*h+e],Sref[rr][c+e])
     print("ok K=%d RAW=%s FORM_M=%s"%(K,RAW,FORM_M))
-def ldmatrix_x4(sm,addr_of_tid):
-    # no transpose: lane gets (stored row lane/4, columns 2 (lane % 4), + 1) of each matrix
-    out={}
-    for w in range(4):
-        for jm in range(4):
-            rows=[[sm.ld(addr_of_tid[32*w+8*jm+i]+2*c) for c in range(8)] for i in range(8)]
-            for lane in range(32):
-                g=lane>>2;t=lane&3
-                out.setdefault(32*w+lane,[None]*4)[jm]=(rows[g][2*t],rows[g][2*t+1])
-    return out
 def store_transposed_frags(sm,tile,frags,row0_of_warp,col0):
     # frags[tid] = 4 (lo, hi) pairs in the m16k16 fragment order; chunk_wgmma.cuh's
     # store_fragment_transposed

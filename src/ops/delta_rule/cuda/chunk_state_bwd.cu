@@ -249,7 +249,7 @@ void launch_chunk_state_bwd(const ChunkTokens& x, const ChunkWorkspace& ws, cons
   if (chunk_state_bwd_uses_wgmma(K, V))
     return launch_chunk_state_bwd_wgmma(x, ws, gd, num_seqs, K, V, stream);
   // As chunk_state: two column tiles per block when there are enough blocks to fill the chip.
-  const bool wide = num_seqs * x.HV * (V / (2 * BV)) >= 2 * 132;
+  const bool wide = num_seqs * x.HV * (V / (2 * BV)) >= 2 * int64_t(device_sm_count());
   if (K == 128 && V == 128)
     return wide ? launch<128, 128, 2>(x, ws, gd, num_seqs, stream)
                 : launch<128, 128, 1>(x, ws, gd, num_seqs, stream);
