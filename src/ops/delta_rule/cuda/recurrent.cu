@@ -638,8 +638,7 @@ bool use_head_kernel(const DecodeArgs& a, const DeltaRuleShape& s) {
   }
   if (kernel == DecodeKernel::tile || !head_fits) return false;
   // automatic: the head kernel once the tile kernel needs more than one wave (8 blocks per SM)
-  static const int sms = device_sm_count();
-  return s.B * s.HV * (s.V / kTile) > int64_t(8) * sms;
+  return s.B * s.HV * (s.V / kTile) > int64_t(8) * device_sm_count();
 }
 
 }  // namespace
@@ -686,8 +685,7 @@ void decode_state_copy(const DecodeArgs& a, cudaStream_t stream) {
   const int64_t state_vecs = state_floats / 4, per_chunk = int64_t(kCopyThreads) * kCopyPerThread;
   const int64_t chunks_per_state = (state_vecs + per_chunk - 1) / per_chunk;
   const int64_t chunks = chunks_per_state * s.B;
-  static const int sms = device_sm_count();
-  const int64_t resident = int64_t(2048 / kCopyThreads) * sms;  // 8 blocks of 256 per SM
+  const int64_t resident = int64_t(2048 / kCopyThreads) * device_sm_count();  // 8 of 256 an SM
   const dim3 grid(unsigned(std::min(chunks, resident)));
   launch_maybe_overlapped(decode_state_copy_kernel, grid, kCopyThreads, decode_overlap(a), stream,
                           a.state_pool, a.slots, state_vecs, chunks_per_state, chunks);
