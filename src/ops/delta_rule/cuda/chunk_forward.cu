@@ -78,7 +78,7 @@ int64_t pipeline_chunks(const ChunkPlan& plan, const DeltaRuleShape& s) {
   // its blocks; pipelined when they fit in one wave (not yet measured against the plain order:
   // KDA_PIPELINE=0 times that).
   const bool room =
-      chunk_state_uses_wgmma(int(s.K), int(s.V))
+      chunk_state_uses_wgmma(plan.num_seqs, int(s.HV), int(s.K), int(s.V))
           ? chunk_state_wgmma_blocks(plan.num_seqs, int(s.HV), int(s.V)) <= device_sm_count()
           : !chunk_state_wide(plan.num_seqs, int(s.HV), int(s.V)) &&
                 chunk_state_blocks(plan.num_seqs, int(s.HV), int(s.V)) <= device_sm_count();
@@ -151,15 +151,15 @@ void chunk_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void* wo
   // one-tile blocks (one long sequence) the state walk lost more (2.57 against 2.21 ms at
   // 1 x 65536) than prepare gained (0.15 ms)
   // (the wgmma walk takes the raw path on every grid: not yet measured without it)
-  ws.raw_qk = s.gate == Gate::scalar && (chunk_state_uses_wgmma(int(s.K), int(s.V)) ||
+  ws.raw_qk = s.gate == Gate::scalar && (chunk_state_uses_wgmma(N, int(s.HV), int(s.K), int(s.V)) ||
                                          chunk_state_wide(N, int(s.HV), int(s.V)));
   // Kernel-lab knob: KDA_GDN_RAW=0 keeps Qt / Kd in the workspace for Gated DeltaNet too.
   if (const char* raw = std::getenv("KDA_GDN_RAW")) ws.raw_qk = ws.raw_qk && raw[0] != '0';
   // On the wgmma walk the raw path also forms M there (prepare skips it). Kernel-lab knob:
   // KDA_GDN_STATE_M=0 keeps M in the workspace.
   const char* state_m = std::getenv("KDA_GDN_STATE_M");
-  ws.m_in_state =
-      ws.raw_qk && chunk_state_uses_wgmma(int(s.K), int(s.V)) && !(state_m && state_m[0] == '0');
+  ws.m_in_state = ws.raw_qk && chunk_state_uses_wgmma(N, int(s.HV), int(s.K), int(s.V)) &&
+                  !(state_m && state_m[0] == '0');
 
   const ChunkTokens x = chunk_tokens(in, layer, o, ht);
   // Kernel-lab knob: KDA_CHUNK_STAGES=prepare|state runs one stage alone (for timing only;

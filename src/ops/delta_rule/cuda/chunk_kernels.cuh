@@ -139,18 +139,18 @@ void launch_chunk_state(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t 
 bool chunk_state_wide(int64_t num_seqs, int HV, int V);
 int64_t chunk_state_blocks(int64_t num_seqs, int HV, int V);
 // chunk_state_wgmma.cu: the same walk on wgmma (sm_90a), one warpgroup per 64 state columns
-// (kernel lab: KDA_STATE_WGMMA=1 on a compute-capability-9 device; launch_chunk_state then
-// takes it; chunk_state_wide / chunk_state_blocks describe the mma.sync walk only, its grid is
+// (on compute capability 9 where the grid fills the chip twice; launch_chunk_state then takes
+// it; chunk_state_wide / chunk_state_blocks describe the mma.sync walk only, its grid is
 // chunk_state_wgmma_blocks).
-bool chunk_state_uses_wgmma(int K, int V);
+bool chunk_state_uses_wgmma(int64_t num_seqs, int HV, int K, int V);
 int64_t chunk_state_wgmma_blocks(int64_t num_seqs, int HV, int V);
 void launch_chunk_state_wgmma(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs,
                               int K, int V, cudaStream_t stream);
 void launch_chunk_state_bwd(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd,
                             int64_t num_seqs, int K, int V, cudaStream_t stream);
-// chunk_state_bwd_wgmma.cu: the reverse walk on wgmma (kernel lab: KDA_STATE_BWD_WGMMA=1 on a
-// compute-capability-9 device; launch_chunk_state_bwd then takes it)
-bool chunk_state_bwd_uses_wgmma(int K, int V);
+// chunk_state_bwd_wgmma.cu: the reverse walk on wgmma (on compute capability 9 where the grid
+// has at least 3/4 of a block per SM; launch_chunk_state_bwd then takes it)
+bool chunk_state_bwd_uses_wgmma(int64_t num_seqs, int HV, int K, int V);
 void launch_chunk_state_bwd_wgmma(const ChunkTokens& x, const ChunkWorkspace& ws,
                                   const ChunkGrads& gd, int64_t num_seqs, int K, int V,
                                   cudaStream_t stream);

@@ -396,7 +396,8 @@ int64_t chunk_state_blocks(int64_t num_seqs, int HV, int V) {
 
 void launch_chunk_state(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, int K,
                         int V, cudaStream_t stream) {
-  if (chunk_state_uses_wgmma(K, V)) return launch_chunk_state_wgmma(x, ws, num_seqs, K, V, stream);
+  if (chunk_state_uses_wgmma(num_seqs, x.HV, K, V))
+    return launch_chunk_state_wgmma(x, ws, num_seqs, K, V, stream);
   require(!ws.m_in_state, "chunk_state: M formed in the walk needs the wgmma walk");
   if (ws.raw_qk)
     launch_kv<true>(x, ws, num_seqs, K, V, stream);

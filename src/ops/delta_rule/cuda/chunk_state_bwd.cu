@@ -246,7 +246,7 @@ void launch(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd
 
 void launch_chunk_state_bwd(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd,
                             int64_t num_seqs, int K, int V, cudaStream_t stream) {
-  if (chunk_state_bwd_uses_wgmma(K, V))
+  if (chunk_state_bwd_uses_wgmma(num_seqs, x.HV, K, V))
     return launch_chunk_state_bwd_wgmma(x, ws, gd, num_seqs, K, V, stream);
   // As chunk_state: two column tiles per block when there are enough blocks to fill the chip.
   const bool wide = num_seqs * x.HV * (V / (2 * BV)) >= 2 * int64_t(device_sm_count());

@@ -216,13 +216,19 @@ void launch(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd
 
 }  // namespace
 
-bool chunk_state_bwd_uses_wgmma(int K, int V) {
-  // Kernel-lab knob (off by default until measured): KDA_STATE_BWD_WGMMA=1.
-  static const bool wanted = [] {
+bool chunk_state_bwd_uses_wgmma(int64_t num_seqs, int HV, int K, int V) {
+  if (!((K == 64 || K == 128) && (V == 64 || V == 128) && device_cc_major() == 9)) return false;
+  // Kernel-lab knob: KDA_STATE_BWD_WGMMA=1 always, =0 never (timing only).
+  static const int forced = [] {
     const char* knob = std::getenv("KDA_STATE_BWD_WGMMA");
-    return knob && std::strcmp(knob, "1") == 0;
+    return knob ? (std::strcmp(knob, "1") == 0 ? 1 : 0) : -1;
   }();
-  return wanted && (K == 64 || K == 128) && (V == 64 || V == 128) && device_cc_major() == 9;
+  if (forced >= 0) return forced == 1;
+  // Measured (2026-12-02, H200, H = 32, K = V = 128): 8 x 2048 (512 blocks of one warpgroup)
+  // 0.500 -> 0.413 ms, 2 x 8192 (128) 0.536 -> 0.506, 1 x 65536 (64) 2.90 -> 4.07: the longer
+  // chunk step loses once half the SMs or more would sit idle.
+  const int64_t blocks = num_seqs * HV * (V / 64);
+  return 4 * blocks >= 3 * int64_t(device_sm_count());
 }
 
 void launch_chunk_state_bwd_wgmma(const ChunkTokens& x, const ChunkWorkspace& ws,

@@ -336,13 +336,19 @@ void launch_kv(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs,
 
 }  // namespace
 
-bool chunk_state_uses_wgmma(int K, int V) {
-  // Kernel-lab knob (off by default until measured): KDA_STATE_WGMMA=1.
-  static const bool wanted = [] {
+bool chunk_state_uses_wgmma(int64_t num_seqs, int HV, int K, int V) {
+  if (!((K == 64 || K == 128) && (V == 64 || V == 128) && device_cc_major() == 9)) return false;
+  // Kernel-lab knob: KDA_STATE_WGMMA=1 always, =0 never (timing only).
+  static const int forced = [] {
     const char* knob = std::getenv("KDA_STATE_WGMMA");
-    return knob && std::strcmp(knob, "1") == 0;
+    return knob ? (std::strcmp(knob, "1") == 0 ? 1 : 0) : -1;
   }();
-  return wanted && (K == 64 || K == 128) && (V == 64 || V == 128) && device_cc_major() == 9;
+  if (forced >= 0) return forced == 1;
+  // One warpgroup per 64 columns wins where the grid fills the chip twice (8 x 2048, H = 32:
+  // 512 blocks, state 0.347 -> 0.300 ms) and loses where a few blocks each walk a long chain
+  // (2 x 8192: 128 blocks, 0.418 -> 0.442 ms; 1 x 65536: 64 blocks, 2.23 -> 3.19 ms): its
+  // chunk step is longer than the mma.sync walk's (2026-12-02, H200).
+  return chunk_state_wgmma_blocks(num_seqs, HV, V) >= 2 * int64_t(device_sm_count());
 }
 
 int64_t chunk_state_wgmma_blocks(int64_t num_seqs, int HV, int V) {
