@@ -13,9 +13,9 @@
 #
 # --no-fla: everything but timing fla (a quicker call).
 # --model:  the model path (checks + benchmarks) and the delta-rule kernels' checks only.
-# --lab:    the open experiments' checks in one call (~6 minutes): kda_gpu_check --check, the
-#           same with KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1 (session 12's wgmma state walks,
-#           forward and reverse, in place of the mma.sync ones), the decode checks with KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1 (the state
+# --lab:    the kernel lab's checks in one call (~5 minutes): kda_gpu_check --check, the
+#           same with KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1 (the wgmma state walks, forward and
+#           reverse, forced on every grid; the default takes them on full grids only), the decode checks with KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1 (the state
 #           fetched before the programmatic wait; the back-to-back chain check among them), the
 #           chunked forward rows with the defaults and with the wgmma walk (KDA_LAB_KNOBS: other
 #           ';'-separated knob sets), kda_gpu_train --check (the lineage GPU trainer against the
@@ -85,16 +85,16 @@ if [ "$mode" = "--lab" ]; then
   status=$?
   grep -E "FAIL|NOTE" "$log_dir/lab_check.log" | head -20
   echo "checks: exit $status, $(grep -c "^CHECK.*PASS" "$log_dir/lab_check.log") pass"
-  # the wgmma state walks (chunk_state_wgmma.cu, chunk_state_bwd_wgmma.cu; session 12, compiled
-  # only): every check again with them in place of the mma.sync walks (forward, pipelined,
-  # backward and its recompute, trainer); forward checks failing point at the forward walk,
-  # backward ones with the forward's passing at the reverse walk
+  # the wgmma state walks (chunk_state_wgmma.cu, chunk_state_bwd_wgmma.cu): every check again
+  # with them in place of the mma.sync walks (forward, pipelined, backward and its recompute,
+  # trainer); forward checks failing point at the forward walk, backward ones with the
+  # forward's passing at the reverse walk
   echo "== kda_gpu_check --check with KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1"
   KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1 timeout 240 ./build-gpu-app/bin/kda_gpu_check --check \
     >"$log_dir/lab_check_wgmma.log" 2>&1 || status=1
   grep -E "FAIL|NOTE" "$log_dir/lab_check_wgmma.log" | head -20
   echo "wgmma checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_check_wgmma.log") pass"
-  # decode (session 12, compiled only): the state fetched before the programmatic wait
+  # decode: the state fetched before the programmatic wait
   # (KDA_DECODE_PREFETCH, with KDA_DECODE_OVERLAP): the decode checks, the back-to-back chain
   # among them
   echo "== kda_gpu_check --decode --check with KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1"
@@ -296,6 +296,14 @@ esac
 echo "== kda_gpu_check ${args[*]}"
 timeout 420 "$bin" "${args[@]}" 2>&1 | tee "$log_dir/check_bench.log"
 status=${PIPESTATUS[0]}
+if [ "$mode" != "--bench-only" ]; then
+  # The check shapes are too small for the automatic choice to take the wgmma state walks
+  # (full grids only): every check again with both forced on.
+  echo "== kda_gpu_check --check with the wgmma walks forced (KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1)"
+  KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1 timeout 150 "$bin" --check >"$log_dir/check_wgmma.log" 2>&1 ||
+    status=1
+  grep -E "FAIL|summary" "$log_dir/check_wgmma.log" | head -20
+fi
 [ "$model_status" -ne 0 ] && status=$model_status
 if [ "$mode" = "--check-only" ] || [ "$mode" = "--model" ]; then
   grep "^BENCH" "$log_dir/model.log" 2>/dev/null

@@ -15,9 +15,9 @@
 // fetched once this chunk's dD is formed; Qt, W and exp(G_C) once its dS update is done (each is
 // waited for only where it is used). 90 KB of shared memory at K = V = 128: two blocks per SM.
 //
-// Kernel lab: selected by KDA_STATE_BWD_WGMMA=1 on a compute-capability-9 device
-// (launch_chunk_state_bwd), checked by kda_gpu_check's backward checks run with it set; not the
-// default until measured on the H200.
+// Taken by launch_chunk_state_bwd on compute capability 9 where the grid has at least 3/4 of a
+// block per SM (chunk_state_bwd_uses_wgmma, measured there); kda_gpu_check's backward checks run
+// with it forced (KDA_STATE_BWD_WGMMA=1) as well, since their shapes are below that.
 #include <cstdlib>
 #include <cstring>
 

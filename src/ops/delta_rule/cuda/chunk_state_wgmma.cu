@@ -24,9 +24,9 @@
 // fragments (the attention forward's P V): chunk_prepare then skips M, and no M tile is loaded.
 // Backward recompute: S0 and D (bf16, as the products saw them) written when ws.S0 / ws.D are set.
 //
-// Kernel lab: selected by KDA_STATE_WGMMA=1 (chunk_state_uses_wgmma below; launch_chunk_state
-// then takes this walk), checked by running kda_gpu_check with it set; not the default until it
-// has been measured on the H200.
+// Taken by launch_chunk_state on compute capability 9 where the grid is at least two blocks per
+// SM (chunk_state_uses_wgmma below, measured there); kda_gpu_check's checks run with it forced
+// (KDA_STATE_WGMMA=1) as well, since their shapes are below that.
 #include <cstdlib>
 #include <cstring>
 
