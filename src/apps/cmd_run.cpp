@@ -13,6 +13,7 @@
 #include "core/timer.h"
 #include "model/causal_lm.h"
 #include "runtime/sampling.h"
+#include "tokenizer/text_stream.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kda::apps {
@@ -127,34 +128,10 @@ RunOptions parse_options(const Args& args) {
   return o;
 }
 
-// Prints text as it is generated: each step decodes everything generated so far and prints what
-// is new, holding back a trailing U+FFFD (a character whose bytes have not all arrived yet).
-class TextStream {
- public:
-  explicit TextStream(const tokenizer::Tokenizer& tok) : tok_(tok) {}
-  void add(int32_t id) {
-    ids_.push_back(id);
-    print(tok_.decode(ids_), false);
-  }
-  void finish() { print(tok_.decode(ids_), true); }
-
- private:
-  void print(const std::string& text, bool final) {
-    static const std::string kReplacement = "\xEF\xBF\xBD";
-    size_t end = text.size();
-    if (!final && end >= kReplacement.size() &&
-        text.compare(end - kReplacement.size(), kReplacement.size(), kReplacement) == 0)
-      end -= kReplacement.size();
-    if (end > printed_) {
-      std::fwrite(text.data() + printed_, 1, end - printed_, stdout);
-      std::fflush(stdout);
-      printed_ = end;
-    }
-  }
-  const tokenizer::Tokenizer& tok_;
-  std::vector<int32_t> ids_;
-  size_t printed_ = 0;
-};
+void print_text(const std::string& piece) {
+  std::fwrite(piece.data(), 1, piece.size(), stdout);
+  std::fflush(stdout);
+}
 
 std::string rate_text(int64_t tokens, double seconds) {
   if (tokens == 0 || seconds <= 0) return std::to_string(tokens) + " tokens";
@@ -199,7 +176,7 @@ int cmd_run(const Args& args) {
               std::to_string(context));
 
   runtime::Sampler sampler(o.sampling);
-  std::optional<TextStream> text;
+  std::optional<tokenizer::TextStream> text;
   if (tok) {
     text.emplace(*tok);
     if (!o.chat) {
@@ -222,7 +199,7 @@ int cmd_run(const Args& args) {
     }
     ++generated;
     if (text) {
-      text->add(next);
+      print_text(text->add(next));
     } else {
       std::printf(generated == 1 ? "%d" : " %d", next);
       std::fflush(stdout);
@@ -236,7 +213,7 @@ int cmd_run(const Args& args) {
     ++decode_steps;
   }
   const double decode_seconds = clock.seconds();
-  if (text) text->finish();
+  if (text) print_text(text->finish());
   std::printf("\n");
   std::fflush(stdout);
 

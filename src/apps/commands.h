@@ -17,6 +17,7 @@ int cmd_bench_tasks(const Args& args);
 int cmd_train(const Args& args);
 int cmd_info(const Args& args);
 int cmd_run(const Args& args);
+int cmd_serve(const Args& args);
 int cmd_tokenize(const Args& args);
 int cmd_export(const Args& args);
 

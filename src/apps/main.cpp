@@ -27,6 +27,7 @@ void print_usage() {
       "  bench     CPU benchmarks: GEMM ceiling, chunked/recurrent KDA and Gated DeltaNet\n"
       "  info      architecture, parameters and memory per sequence of a model or config\n"
       "  run       generate text from a model folder (GPT-2, Kimi Linear)\n"
+      "  serve     OpenAI-style HTTP server (completions, chat, streaming)\n"
       "  tokenize  text to token ids (JSON) and back: GPT-2 BPE, tiktoken files, Kimi\n"
       "  train     train a lineage model, Kimi Linear or GPT-2 (synthetic tasks or text)\n"
       "  export    a trained checkpoint as a bf16 model folder with its tokenizer\n"
@@ -60,6 +61,7 @@ int main(int argc, char** argv) {
     if (command == "tokenize") return kda::apps::cmd_tokenize(args);
     if (command == "info") return kda::apps::cmd_info(args);
     if (command == "run") return kda::apps::cmd_run(args);
+    if (command == "serve") return kda::apps::cmd_serve(args);
     if (command == "export") return kda::apps::cmd_export(args);
     std::fprintf(stderr, "kda: unknown command '%s' (try 'kda --help')\n", command.c_str());
     return 2;

@@ -1,0 +1,94 @@
+#include "server/generation.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace kda::server {
+
+const char* finish_reason_name(FinishReason r) {
+  switch (r) {
+    case FinishReason::stop:
+      return "stop";
+    case FinishReason::length:
+      return "length";
+    default:
+      return nullptr;
+  }
+}
+
+Generation::Generation(const model::CausalLM& lm, const tokenizer::Tokenizer& tok,
+                       GenerationRequest request, int64_t context)
+    : tok_(tok),
+      request_(std::move(request)),
+      session_(lm.start_session(context)),
+      sampler_(request_.sampling),
+      text_(tok),
+      stop_ids_(tok.stop_ids()) {
+  request_.sampling.validate();
+  require(!request_.prompt.empty(), "the prompt encodes to no tokens");
+  require(request_.max_tokens >= 0, "max_tokens must be >= 0");
+  for (const int32_t id : request_.prompt)
+    require(id >= 0 && id < lm.vocab_size(),
+            "prompt token id " + std::to_string(id) + " is outside the model's vocabulary");
+  context_ = session_->max_context();
+  require(context_ == 0 || prompt_tokens() < context_,
+          "the prompt has " + std::to_string(prompt_tokens()) +
+              " tokens, which leaves no room in the context of " + std::to_string(context_));
+  std::erase_if(request_.stop, [](const std::string& s) { return s.empty(); });
+}
+
+std::string Generation::step() {
+  if (done()) return {};
+  if (prefilled_ < prompt_tokens()) {
+    const int64_t n = std::min(kPrefillPiece, prompt_tokens() - prefilled_);
+    last_logits_ = session_->feed_last(
+        std::span<const int32_t>(request_.prompt.data() + prefilled_, size_t(n)));
+    prefilled_ += n;
+    return {};
+  }
+  const int32_t next = sampler_.sample(last_logits_.span_f32());
+  if (std::find(stop_ids_.begin(), stop_ids_.end(), next) != stop_ids_.end()) {
+    finish(FinishReason::stop);
+    return emit(text_.finish(), true);
+  }
+  ++generated_;
+  std::string piece = text_.add(next);
+  const bool at_limit = (request_.max_tokens > 0 && generated_ >= request_.max_tokens) ||
+                        (context_ > 0 && session_->length() + 1 > context_);
+  if (at_limit) {
+    finish(FinishReason::length);
+    piece += text_.finish();
+    return emit(std::move(piece), true);
+  }
+  std::string out = emit(std::move(piece), false);
+  if (!done()) last_logits_ = session_->feed_last(std::span<const int32_t>(&next, 1));
+  return out;
+}
+
+std::string Generation::emit(std::string piece, bool final) {
+  held_ += piece;
+  // the earliest stop string in the held text ends the generation there
+  size_t cut = std::string::npos;
+  for (const std::string& s : request_.stop) cut = std::min(cut, held_.find(s));
+  if (cut != std::string::npos) {
+    finish(FinishReason::stop);
+    std::string out = held_.substr(0, cut);
+    held_.clear();
+    return out;
+  }
+  if (final) return std::exchange(held_, {});
+  // hold back the longest tail that is a proper prefix of some stop string
+  size_t keep = 0;
+  for (const std::string& s : request_.stop)
+    for (size_t n = std::min(s.size() - 1, held_.size()); n > keep; --n)
+      if (held_.compare(held_.size() - n, n, s, 0, n) == 0) {
+        keep = n;
+        break;
+      }
+  std::string out = held_.substr(0, held_.size() - keep);
+  held_.erase(0, held_.size() - keep);
+  return out;
+}
+
+}  // namespace kda::server

@@ -1,0 +1,62 @@
+// One request's generation, advanced a unit of work at a time so that a scheduler can interleave
+// many: the prompt's prefill in pieces, then one decode step per call. It owns the sequence's
+// session (KDA states, MLA cache) and sampler, and turns ids into text with stop strings applied.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/causal_lm.h"
+#include "runtime/sampling.h"
+#include "tokenizer/text_stream.h"
+#include "tokenizer/tokenizer.h"
+
+namespace kda::server {
+
+struct GenerationRequest {
+  std::vector<int32_t> prompt;
+  int64_t max_tokens = 16;  // 0: until a stop or the context limit
+  runtime::SamplingParams sampling;
+  std::vector<std::string> stop;  // generation ends before the first of these strings
+};
+
+enum class FinishReason { running, stop, length };
+const char* finish_reason_name(FinishReason r);  // "stop", "length" (null while running)
+
+class Generation {
+ public:
+  // Throws kda::Error when the prompt is empty or longer than the context (`context` 0: the
+  // model's own limit).
+  Generation(const model::CausalLM& lm, const tokenizer::Tokenizer& tok, GenerationRequest request,
+             int64_t context);
+  // Prefill of at most kPrefillPiece prompt tokens, or one decode step; returns the text that
+  // became final (possibly empty: an unfinished character, or a possible start of a stop string).
+  std::string step();
+  bool done() const { return finish_ != FinishReason::running; }
+  FinishReason finish_reason() const { return finish_; }
+  int64_t prompt_tokens() const { return int64_t(request_.prompt.size()); }
+  int64_t completion_tokens() const { return generated_; }
+
+  // Prompt tokens fed per step: long prompts then yield to the other sequences between pieces.
+  static constexpr int64_t kPrefillPiece = 512;
+
+ private:
+  std::string emit(std::string piece, bool final);  // applies the stop strings
+  void finish(FinishReason r) { finish_ = r; }
+
+  const tokenizer::Tokenizer& tok_;
+  GenerationRequest request_;
+  std::unique_ptr<model::Session> session_;
+  runtime::Sampler sampler_;
+  tokenizer::TextStream text_;
+  std::vector<int32_t> stop_ids_;
+  int64_t context_ = 0;
+  int64_t prefilled_ = 0;
+  int64_t generated_ = 0;
+  Tensor last_logits_;
+  std::string held_;  // text not yet handed out: it may be the start of a stop string
+  FinishReason finish_ = FinishReason::running;
+};
+
+}  // namespace kda::server

@@ -1,0 +1,84 @@
+// Serves many sequences at once on one model: requests queue, up to `max_active` run at a time,
+// and one worker thread advances every active sequence by one unit of work in turn (a piece of
+// its prompt or one token), so a long prompt or a long answer never holds the others up. Each
+// sequence has its own session (fixed KDA states, growing MLA cache); the weights are shared.
+// Requests take turns on the model: they are not yet batched into one matrix product.
+#pragma once
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "model/causal_lm.h"
+#include "server/generation.h"
+#include "tokenizer/tokenizer.h"
+
+namespace kda::server {
+
+// What a request's handler reads back: text pieces as they come, then the end.
+class Job {
+ public:
+  struct Event {
+    std::string text;
+    bool last = false;
+    std::string error;  // set on the last event when generation failed
+    FinishReason finish = FinishReason::running;
+    int64_t prompt_tokens = 0, completion_tokens = 0;
+  };
+  // Blocks until the next event.
+  Event next();
+  // The client went away: the scheduler drops the sequence at its next turn.
+  void cancel();
+  bool cancelled() const;
+
+ private:
+  friend class Scheduler;
+  void push(Event e);
+  mutable std::mutex mutex_;
+  std::condition_variable ready_;
+  std::deque<Event> events_;
+  bool cancelled_ = false;
+};
+
+struct SchedulerOptions {
+  int64_t max_active = 4;  // sequences generating at once; more wait in the queue
+  int64_t context = 0;     // per-sequence context limit (0: the model's)
+};
+
+class Scheduler {
+ public:
+  Scheduler(const model::CausalLM& lm, const tokenizer::Tokenizer& tok, SchedulerOptions options);
+  ~Scheduler();  // shutdown()
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  // Checks the request (throws kda::Error: empty or too long a prompt, bad settings) and queues
+  // it; the caller reads the job's events.
+  std::shared_ptr<Job> submit(GenerationRequest request);
+  // Stops the worker: queued and running jobs end with an error event, later submits throw.
+  void shutdown();
+  const SchedulerOptions& options() const { return options_; }
+
+ private:
+  struct Entry {
+    std::shared_ptr<Job> job;
+    std::unique_ptr<Generation> generation;
+  };
+  void run();
+
+  const model::CausalLM& lm_;
+  const tokenizer::Tokenizer& tok_;
+  SchedulerOptions options_;
+  std::mutex mutex_;        // the queue and stopping_
+  std::mutex model_mutex_;  // one thread on the model at a time (sessions are made on callers')
+  std::condition_variable wake_;
+  std::deque<Entry> waiting_;
+  bool stopping_ = false;
+  std::thread worker_;
+};
+
+}  // namespace kda::server

@@ -1,0 +1,508 @@
+// The OpenAI-style server (src/server): generation units against a plain decode loop, stop
+// strings and limits, the scheduler's interleaving against one-at-a-time runs, and the HTTP API
+// end to end over a real socket (whole and streamed responses, every refusal), on the embedded
+// default model.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fcntl.h>
+
+#include <chrono>
+#include <csignal>
+#include <fstream>
+#include <sstream>
+
+#include <future>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+#include "model/causal_lm.h"
+#include "run_command.h"
+#include "runtime/sampling.h"
+#include "scratch_dir.h"
+#include "server/generation.h"
+#include "server/http_server.h"
+#include "server/openai_api.h"
+#include "server/scheduler.h"
+#include "tokenizer/tokenizer.h"
+
+namespace kda::server {
+namespace {
+
+using json = nlohmann::json;
+
+const std::string kModelDir = std::string(KDA_MODELS_DIR) + "/kimi-mini";
+
+struct Loaded {
+  std::unique_ptr<model::CausalLM> lm = model::load_causal_lm(kModelDir);
+  std::unique_ptr<tokenizer::Tokenizer> tok = tokenizer::load_tokenizer(kModelDir);
+};
+const Loaded& loaded() {
+  static const Loaded l;
+  return l;
+}
+
+// The greedy continuation by a plain session loop: what every server path must reproduce.
+std::vector<int32_t> greedy_ids(const std::vector<int32_t>& prompt, int64_t n) {
+  const auto session = loaded().lm->start_session();
+  Tensor last = session->feed_last(prompt);
+  std::vector<int32_t> out;
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t next = runtime::argmax(last.span_f32());
+    out.push_back(next);
+    last = session->feed_last(std::span<const int32_t>(&next, 1));
+  }
+  return out;
+}
+
+std::vector<int32_t> encode(const std::string& text) {
+  return loaded().tok->encode(text, false);
+}
+
+// Runs a generation to its end; returns the text and the pieces it came in.
+std::string run_all(Generation& g, std::vector<std::string>* pieces = nullptr) {
+  std::string text;
+  for (int guard = 0; !g.done() && guard < 100000; ++guard) {
+    std::string piece = g.step();
+    if (pieces && !piece.empty()) pieces->push_back(piece);
+    text += piece;
+  }
+  EXPECT_TRUE(g.done());
+  return text;
+}
+
+GenerationRequest greedy(const std::string& prompt, int64_t max_tokens) {
+  GenerationRequest r;
+  r.prompt = encode(prompt);
+  r.max_tokens = max_tokens;
+  r.sampling.temperature = 0;
+  return r;
+}
+
+TEST(ServerGeneration, GreedyMatchesAPlainDecodeLoop) {
+  for (const char* prompt : {"The jury said that the city", "It", "In the morning, the men of"}) {
+    const std::vector<int32_t> ids = greedy_ids(encode(prompt), 24);
+    Generation g(*loaded().lm, *loaded().tok, greedy(prompt, 24), 0);
+    const std::string text = run_all(g);
+    EXPECT_EQ(text, loaded().tok->decode(ids)) << prompt;
+    EXPECT_EQ(g.finish_reason(), FinishReason::length);
+    EXPECT_EQ(g.completion_tokens(), 24);
+    EXPECT_EQ(g.prompt_tokens(), int64_t(encode(prompt).size()));
+  }
+}
+
+TEST(ServerGeneration, LongPromptsArePrefilledInPieces) {
+  std::string prompt;
+  while (int64_t(encode(prompt).size()) < 2 * Generation::kPrefillPiece + 37)
+    prompt += "The city said that the jury was not in the way at the first. ";
+  const std::vector<int32_t> ids = greedy_ids(encode(prompt), 8);
+  Generation g(*loaded().lm, *loaded().tok, greedy(prompt, 8), 0);
+  int empty_steps = 0;
+  while (!g.done() && g.step().empty()) ++empty_steps;
+  EXPECT_GE(empty_steps, 3);  // three prefill pieces before any text
+  Generation again(*loaded().lm, *loaded().tok, greedy(prompt, 8), 0);
+  EXPECT_EQ(run_all(again), loaded().tok->decode(ids));
+}
+
+TEST(ServerGeneration, StopStringsEndTheTextBeforeThem) {
+  const std::string prompt = "The jury said that the city";
+  Generation full(*loaded().lm, *loaded().tok, greedy(prompt, 40), 0);
+  const std::string text = run_all(full);
+  ASSERT_GT(text.size(), 20u);
+  // a stop string spanning several tokens, found mid-text, and one that never occurs
+  for (const size_t at : {size_t(5), text.size() / 2, text.size() - 4}) {
+    GenerationRequest r = greedy(prompt, 40);
+    const std::string stop = text.substr(at, 4);
+    r.stop = {"never-in-this-text", stop};
+    Generation g(*loaded().lm, *loaded().tok, r, 0);
+    std::vector<std::string> pieces;
+    const std::string got = run_all(g, &pieces);
+    EXPECT_EQ(got, text.substr(0, text.find(stop))) << "stop '" << stop << "'";
+    EXPECT_EQ(g.finish_reason(), FinishReason::stop);
+    for (const std::string& p : pieces) EXPECT_EQ(p.find(stop), std::string::npos);
+  }
+  GenerationRequest r = greedy(prompt, 40);
+  r.stop = {"never-in-this-text"};
+  Generation g(*loaded().lm, *loaded().tok, r, 0);
+  EXPECT_EQ(run_all(g), text);
+  EXPECT_EQ(g.finish_reason(), FinishReason::length);
+}
+
+TEST(ServerGeneration, ContextLimitAndRefusals) {
+  const std::string prompt = "The jury said that the city";
+  const int64_t p = int64_t(encode(prompt).size());
+  Generation g(*loaded().lm, *loaded().tok, greedy(prompt, 0), p + 3);
+  run_all(g);
+  EXPECT_EQ(g.finish_reason(), FinishReason::length);
+  EXPECT_EQ(g.completion_tokens(), 4);  // the last from the logits of the context's last token
+  EXPECT_THROW(Generation(*loaded().lm, *loaded().tok, greedy(prompt, 4), p), Error);
+  EXPECT_THROW(Generation(*loaded().lm, *loaded().tok, greedy("", 4), 0), Error);
+  GenerationRequest bad = greedy(prompt, 4);
+  bad.prompt.push_back(int32_t(loaded().lm->vocab_size()));
+  EXPECT_THROW(Generation(*loaded().lm, *loaded().tok, bad, 0), Error);
+  GenerationRequest negative = greedy(prompt, 4);
+  negative.sampling.temperature = -1;
+  EXPECT_THROW(Generation(*loaded().lm, *loaded().tok, negative, 0), Error);
+}
+
+TEST(ServerScheduler, InterleavedRequestsEqualOneAtATime) {
+  const std::vector<std::string> prompts = {
+      "The jury said that the city", "It was", "In the morning", "The man",
+      "Several members said that",   "A"};
+  std::vector<std::string> alone;
+  for (const std::string& p : prompts) {
+    Generation g(*loaded().lm, *loaded().tok, greedy(p, 12 + int64_t(p.size() % 5)), 0);
+    alone.push_back(run_all(g));
+  }
+  Scheduler scheduler(*loaded().lm, *loaded().tok, {.max_active = 2, .context = 0});
+  std::vector<std::shared_ptr<Job>> jobs;
+  for (const std::string& p : prompts)
+    jobs.push_back(scheduler.submit(greedy(p, 12 + int64_t(p.size() % 5))));
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    std::string text;
+    Job::Event e;
+    do {
+      e = jobs[i]->next();
+      text += e.text;
+    } while (!e.last);
+    EXPECT_TRUE(e.error.empty()) << e.error;
+    EXPECT_EQ(text, alone[i]) << prompts[i];
+    EXPECT_EQ(e.finish, FinishReason::length);
+    EXPECT_EQ(e.completion_tokens, 12 + int64_t(prompts[i].size() % 5));
+  }
+  EXPECT_THROW(scheduler.submit(greedy("", 3)), Error);
+  scheduler.shutdown();
+  EXPECT_THROW(scheduler.submit(greedy("The", 3)), Error);
+}
+
+// --- HTTP, over a socket ---
+
+struct Reply {
+  int status = 0;
+  std::string headers, body;
+};
+
+Reply http(int port, const std::string& method, const std::string& path,
+           const std::string& body = "", const std::string& extra_headers = "") {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(uint16_t(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  const std::string request = method + " " + path + " HTTP/1.1\r\nHost: localhost\r\n" +
+                              extra_headers + "Content-Length: " + std::to_string(body.size()) +
+                              "\r\n\r\n" + body;
+  // the server may answer (and stop reading) before a too-large request is all sent
+  for (size_t done = 0; done < request.size();) {
+    const ssize_t n = send(fd, request.data() + done, request.size() - done, MSG_NOSIGNAL);
+    if (n <= 0) break;
+    done += size_t(n);
+  }
+  std::string raw;
+  char buf[4096];
+  for (ssize_t n; (n = recv(fd, buf, sizeof buf, 0)) > 0;) raw.append(buf, size_t(n));
+  close(fd);
+  Reply r;
+  const size_t head_end = raw.find("\r\n\r\n");
+  if (head_end == std::string::npos) return r;
+  r.status = std::stoi(raw.substr(9, 3));
+  r.headers = raw.substr(0, head_end);
+  std::string rest = raw.substr(head_end + 4);
+  if (r.headers.find("Transfer-Encoding: chunked") == std::string::npos) {
+    r.body = rest;
+    return r;
+  }
+  size_t pos = 0;  // de-chunk
+  while (true) {
+    const size_t line_end = rest.find("\r\n", pos);
+    const size_t size = std::stoul(rest.substr(pos, line_end - pos), nullptr, 16);
+    if (size == 0) break;
+    r.body += rest.substr(line_end + 2, size);
+    pos = line_end + 2 + size + 2;
+  }
+  return r;
+}
+
+// The data lines of a server-sent event stream, [DONE] excluded (checked to come last).
+std::vector<json> events(const std::string& body) {
+  std::vector<json> out;
+  size_t pos = 0;
+  bool done = false;
+  while (pos < body.size()) {
+    const size_t end = body.find("\n\n", pos);
+    EXPECT_NE(end, std::string::npos);
+    const std::string line = body.substr(pos, end - pos);
+    EXPECT_EQ(line.rfind("data: ", 0), 0u) << line;
+    EXPECT_FALSE(done) << "data after [DONE]";
+    if (line == "data: [DONE]")
+      done = true;
+    else
+      out.push_back(json::parse(line.substr(6)));
+    pos = end + 2;
+  }
+  EXPECT_TRUE(done);
+  return out;
+}
+
+// A tokenizer with a simple chat template, around the model's own (which has none).
+class ChatTokenizer : public tokenizer::Tokenizer {
+ public:
+  explicit ChatTokenizer(const tokenizer::Tokenizer& inner) : inner_(inner) {}
+  std::vector<int32_t> encode(const std::string& text, bool allow_special) const override {
+    return inner_.encode(text, allow_special);
+  }
+  std::string decode(const std::vector<int32_t>& ids) const override { return inner_.decode(ids); }
+  int64_t vocab_size() const override { return inner_.vocab_size(); }
+  std::string apply_chat_template(const std::vector<tokenizer::ChatMessage>& m) const override {
+    std::string out;
+    for (const auto& x : m) out += x.role + ": " + x.content + "\n";
+    return out + "assistant:";
+  }
+  std::vector<int32_t> stop_ids() const override { return inner_.stop_ids(); }
+
+ private:
+  const tokenizer::Tokenizer& inner_;
+};
+
+class ServerHttp : public ::testing::Test {
+ protected:
+  void start(const tokenizer::Tokenizer& tok, SchedulerOptions options = {}) {
+    scheduler_ = std::make_unique<Scheduler>(*loaded().lm, tok, options);
+    api_ = std::make_unique<OpenAiApi>(*scheduler_, tok, "kimi-mini");
+    server_ = std::make_unique<HttpServer>(
+        "127.0.0.1", 0, [this](const HttpRequest& q, HttpResponder& o) { api_->handle(q, o); });
+    thread_ = std::thread([this] { server_->run(); });
+  }
+  void TearDown() override {
+    if (!server_) return;
+    server_->stop();
+    thread_.join();
+    scheduler_->shutdown();
+    server_.reset();
+  }
+  int port() const { return server_->port(); }
+  json post(const std::string& path, const json& body, int expect_status = 200) {
+    const Reply r = http(port(), "POST", path, body.dump());
+    EXPECT_EQ(r.status, expect_status) << r.body;
+    return r.status == 200 && body.value("stream", false) ? json() : json::parse(r.body);
+  }
+
+  std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<OpenAiApi> api_;
+  std::unique_ptr<HttpServer> server_;
+  std::thread thread_;
+};
+
+TEST_F(ServerHttp, CompletionsWholeAndStreamed) {
+  start(*loaded().tok);
+  const std::string prompt = "The jury said that the city";
+  const std::string expected = loaded().tok->decode(greedy_ids(encode(prompt), 20));
+  const json whole =
+      post("/v1/completions",
+           {{"prompt", prompt}, {"max_tokens", 20}, {"temperature", 0}, {"model", "anything"}});
+  EXPECT_EQ(whole["object"], "text_completion");
+  EXPECT_EQ(whole["model"], "kimi-mini");
+  EXPECT_EQ(whole["choices"][0]["text"], expected);
+  EXPECT_EQ(whole["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(whole["usage"]["prompt_tokens"], int64_t(encode(prompt).size()));
+  EXPECT_EQ(whole["usage"]["completion_tokens"], 20);
+  EXPECT_EQ(whole["usage"]["total_tokens"], int64_t(encode(prompt).size()) + 20);
+
+  // token ids as the prompt: the same continuation
+  const json by_ids =
+      post("/v1/completions", {{"prompt", encode(prompt)}, {"max_tokens", 20}, {"temperature", 0}});
+  EXPECT_EQ(by_ids["choices"][0]["text"], expected);
+
+  const Reply r = http(port(), "POST", "/v1/completions",
+                       json{{"prompt", prompt},
+                            {"max_tokens", 20},
+                            {"temperature", 0},
+                            {"stream", true},
+                            {"stream_options", {{"include_usage", true}}}}
+                           .dump());
+  ASSERT_EQ(r.status, 200);
+  EXPECT_NE(r.headers.find("Content-Type: text/event-stream"), std::string::npos);
+  const std::vector<json> ev = events(r.body);
+  ASSERT_GE(ev.size(), 3u);
+  std::string text;
+  for (size_t i = 0; i + 1 < ev.size(); ++i) {
+    text += ev[i]["choices"][0]["text"].get<std::string>();
+    EXPECT_EQ(ev[i]["choices"][0]["finish_reason"].is_null(), i + 2 < ev.size());
+    EXPECT_EQ(ev[i]["id"], ev[0]["id"]);
+  }
+  EXPECT_EQ(text, expected);
+  EXPECT_EQ(ev[ev.size() - 2]["choices"][0]["finish_reason"], "length");
+  EXPECT_TRUE(ev.back()["choices"].empty());
+  EXPECT_EQ(ev.back()["usage"]["completion_tokens"], 20);
+}
+
+TEST_F(ServerHttp, SeededSamplingRepeatsAndStopsApply) {
+  start(*loaded().tok);
+  const json body = {{"prompt", "The man"}, {"max_tokens", 16}, {"temperature", 0.9},
+                     {"top_k", 40},         {"top_p", 0.95},    {"seed", 7}};
+  const json a = post("/v1/completions", body), b = post("/v1/completions", body);
+  EXPECT_EQ(a["choices"][0]["text"], b["choices"][0]["text"]);
+  const std::string text = a["choices"][0]["text"];
+  ASSERT_GT(text.size(), 8u);
+  json stopped = body;
+  stopped["stop"] = json::array({text.substr(4, 3)});
+  const json c = post("/v1/completions", stopped);
+  EXPECT_EQ(c["choices"][0]["text"], text.substr(0, text.find(text.substr(4, 3))));
+  EXPECT_EQ(c["choices"][0]["finish_reason"], "stop");
+}
+
+TEST_F(ServerHttp, ConcurrentClientsGetTheirOwnAnswers) {
+  start(*loaded().tok, {.max_active = 3, .context = 0});
+  const std::vector<std::string> prompts = {"The jury", "It was",  "In the morning", "The man",
+                                            "A",        "Several", "The city said"};
+  std::vector<std::future<json>> replies;
+  for (const std::string& p : prompts)
+    replies.push_back(std::async(std::launch::async, [&, p] {
+      return json::parse(http(port(), "POST", "/v1/completions",
+                              json{{"prompt", p}, {"max_tokens", 10}, {"temperature", 0}}.dump())
+                             .body);
+    }));
+  for (size_t i = 0; i < prompts.size(); ++i)
+    EXPECT_EQ(replies[i].get()["choices"][0]["text"],
+              loaded().tok->decode(greedy_ids(encode(prompts[i]), 10)))
+        << prompts[i];
+}
+
+TEST_F(ServerHttp, ChatWholeAndStreamed) {
+  const ChatTokenizer chat(*loaded().tok);
+  start(chat);
+  const json messages = json::array(
+      {{{"role", "system"}, {"content", "Be brief."}},
+       {{"role", "user"},
+        {"content", json::array({{{"type", "text"}, {"text", "Tell me of the city"}}})}}});
+  const std::string prompt = "system: Be brief.\nuser: Tell me of the city\nassistant:";
+  const std::string expected =
+      loaded().tok->decode(greedy_ids(loaded().tok->encode(prompt, true), 12));
+  const json whole = post("/v1/chat/completions",
+                          {{"messages", messages}, {"max_tokens", 12}, {"temperature", 0}});
+  EXPECT_EQ(whole["object"], "chat.completion");
+  EXPECT_EQ(whole["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(whole["choices"][0]["message"]["content"], expected);
+  const Reply r = http(port(), "POST", "/v1/chat/completions",
+                       json{{"messages", messages},
+                            {"max_completion_tokens", 12},
+                            {"temperature", 0},
+                            {"stream", true}}
+                           .dump());
+  const std::vector<json> ev = events(r.body);
+  ASSERT_GE(ev.size(), 2u);
+  EXPECT_EQ(ev[0]["object"], "chat.completion.chunk");
+  EXPECT_EQ(ev[0]["choices"][0]["delta"]["role"], "assistant");
+  std::string text;
+  for (const json& e : ev) text += e["choices"][0]["delta"].value("content", "");
+  EXPECT_EQ(text, expected);
+  EXPECT_EQ(ev.back()["choices"][0]["finish_reason"], "length");
+}
+
+TEST_F(ServerHttp, RefusesWhatItCannotServe) {
+  start(*loaded().tok, {.max_active = 4, .context = 64});
+  const auto refused = [&](const std::string& path, const std::string& body, const char* param,
+                           int status = 400) {
+    const Reply r = http(port(), "POST", path, body);
+    EXPECT_EQ(r.status, status) << body << " -> " << r.body;
+    const json e = json::parse(r.body);
+    EXPECT_TRUE(e["error"]["message"].is_string()) << r.body;
+    if (param) {
+      EXPECT_EQ(e["error"]["param"], param) << r.body;
+    }
+  };
+  const std::string c = "/v1/completions";
+  refused(c, "{not json", nullptr);
+  refused(c, "[1, 2]", nullptr);
+  refused(c, R"({"max_tokens": 3})", "prompt");
+  refused(c, R"({"prompt": 5})", "prompt");
+  refused(c, R"({"prompt": ["a", "b"]})", "prompt");
+  refused(c, R"({"prompt": [1, -2]})", "prompt");
+  refused(c, R"({"prompt": [8192000]})", "prompt");  // outside the vocabulary
+  refused(c, R"({"prompt": "a", "n": 2})", "n");
+  refused(c, R"({"prompt": "a", "temperature": 3})", "temperature");
+  refused(c, R"({"prompt": "a", "temperature": "hot"})", "temperature");
+  refused(c, R"({"prompt": "a", "top_p": 0})", "top_p");
+  refused(c, R"({"prompt": "a", "max_tokens": -1})", "max_tokens");
+  refused(c, R"({"prompt": "a", "stop": [1]})", "stop");
+  refused(c, R"({"prompt": "a", "stop": ["a","b","c","d","e"]})", "stop");
+  refused(c, R"({"prompt": "a", "logprobs": 2})", "logprobs");
+  refused(c, R"({"prompt": "a", "echo": true})", "echo");
+  refused(c, R"({"prompt": "a", "stream": "yes"})", "stream");
+  std::string long_prompt;
+  for (int i = 0; i < 80; ++i) long_prompt += "The city said ";
+  refused(c, json{{"prompt", long_prompt}}.dump(), "prompt");  // over the 64-token context
+  refused("/v1/chat/completions", R"({"messages": []})", "messages");
+  refused("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "hi"}]})",
+          "messages");  // this tokenizer has no chat template
+  refused("/v1/nothing", "{}", nullptr, 404);
+  EXPECT_EQ(http(port(), "GET", "/v1/completions").status, 405);
+  EXPECT_EQ(http(port(), "POST", c, R"({"prompt": "a"})", "Transfer-Encoding: chunked\r\n").status,
+            501);
+  EXPECT_EQ(http(port(), "POST", c, "", "X-Big: " + std::string(70000, 'x') + "\r\n").status, 431);
+  const Reply health = http(port(), "GET", "/health");
+  EXPECT_EQ(health.status, 200);
+  EXPECT_EQ(json::parse(health.body)["status"], "ok");
+  const json models = json::parse(http(port(), "GET", "/v1/models").body);
+  EXPECT_EQ(models["data"][0]["id"], "kimi-mini");
+  // still serving after all that
+  EXPECT_EQ(post(c, {{"prompt", "The"}, {"max_tokens", 2}})["usage"]["completion_tokens"], 2);
+}
+
+// The command itself: `kda serve --port 0` prints where it listens, answers, and stops cleanly on
+// Ctrl-C (SIGINT); bad flags fail with a message.
+TEST(ServerCommand, ServesAndStopsOnInterrupt) {
+  const testing::ScratchDir dir;
+  const std::string log = dir.file("serve.log");
+  posix_spawn_file_actions_t files;
+  posix_spawn_file_actions_init(&files);
+  posix_spawn_file_actions_addopen(&files, 2, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  const std::string binary = KDA_BINARY;
+  std::vector<std::string> args = {binary,   "serve", "-m",         kModelDir,
+                                   "--port", "0",     "--parallel", "2"};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  ASSERT_EQ(posix_spawn(&pid, binary.c_str(), &files, nullptr, argv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&files);
+  int port = 0;
+  for (int i = 0; i < 300 && port == 0; ++i) {  // up to 30 s for the model to load
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::ifstream in(log);
+    std::stringstream text;
+    text << in.rdbuf();
+    const size_t at = text.str().find("http://127.0.0.1:");
+    if (at != std::string::npos) port = std::atoi(text.str().c_str() + at + 17);
+  }
+  ASSERT_GT(port, 0) << "no listening line in " << log;
+  const Reply r = http(port, "POST", "/v1/completions",
+                       R"({"prompt": "The jury said", "max_tokens": 6, "temperature": 0})");
+  EXPECT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body)["choices"][0]["text"],
+            loaded().tok->decode(greedy_ids(encode("The jury said"), 6)));
+  kill(pid, SIGINT);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+
+  const testing::CommandResult bad = testing::run_kda("serve -m " + kModelDir + " --port 70000");
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_NE(bad.output.find("--port must be in 0..65535"), std::string::npos) << bad.output;
+  const testing::CommandResult none = testing::run_kda("serve -m " + dir.str());
+  EXPECT_EQ(none.status, 1);
+  EXPECT_NE(none.output.find("no tokenizer"), std::string::npos) << none.output;
+}
+
+}  // namespace
+}  // namespace kda::server
