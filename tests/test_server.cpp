@@ -154,6 +154,81 @@ TEST(ServerGeneration, ContextLimitAndRefusals) {
   EXPECT_THROW(Generation(*loaded().lm, *loaded().tok, negative, 0), Error);
 }
 
+// A snapshot is independent of its source: both continue exactly as the source would have.
+TEST(ServerSessionClone, CopiesAreIndependentAndExact) {
+  const std::string gpt2_dir = std::string(KDA_SHARED_DIR) + "/fixtures/models/gpt2_tiny";
+  const std::unique_ptr<model::CausalLM> gpt2 = model::load_causal_lm(gpt2_dir);
+  for (const model::CausalLM* lm : {loaded().lm.get(), gpt2.get()}) {
+    const int64_t V = std::min<int64_t>(lm->vocab_size(), 200);
+    std::vector<int32_t> prefix, more, other;
+    for (int i = 0; i < 37; ++i) prefix.push_back(int32_t((i * 7919 + 13) % V));
+    for (int i = 0; i < 5; ++i) more.push_back(int32_t((i * 31 + 3) % V));
+    for (int i = 0; i < 9; ++i) other.push_back(int32_t((i * 17 + 5) % V));
+    const auto source = lm->start_session(256);
+    source->feed(prefix);
+    const auto mutated = source->clone(), copy = source->clone();
+    ASSERT_TRUE(mutated && copy);
+    EXPECT_EQ(copy->length(), source->length());
+    mutated->feed(other);  // must touch neither the source nor the other copy
+    const Tensor a = source->feed(more), b = copy->feed(more);
+    ASSERT_EQ(a.numel(), b.numel());
+    for (int64_t i = 0; i < a.numel(); ++i) ASSERT_EQ(a.f32()[i], b.f32()[i]) << i;
+    EXPECT_EQ(copy->length(), int64_t(prefix.size() + more.size()));
+    EXPECT_EQ(mutated->length(), int64_t(prefix.size() + other.size()));
+  }
+}
+
+TEST(ServerPrefixCache, ContinuesFromSnapshotsWithTheSameAnswers) {
+  const std::vector<int32_t> p = encode("The jury said that the city");
+  auto request = [&](std::vector<int32_t> prompt) {
+    GenerationRequest r;
+    r.prompt = std::move(prompt);
+    r.max_tokens = 8;
+    r.sampling.temperature = 0;
+    return r;
+  };
+  auto uncached = [&](const std::vector<int32_t>& prompt) {
+    Generation g(*loaded().lm, *loaded().tok, request(prompt), 0);
+    return run_all(g);
+  };
+  PrefixCache cache(4);
+  Generation first(*loaded().lm, *loaded().tok, request(p), 0, &cache);
+  const std::string first_text = run_all(first);
+  EXPECT_EQ(first.cached_tokens(), 0);
+  EXPECT_EQ(first_text, uncached(p));
+  EXPECT_EQ(cache.size(), 2);  // after the prompt, and at the end
+
+  // the same prompt again: no prefill at all (the snapshot keeps its last logits)
+  Generation again(*loaded().lm, *loaded().tok, request(p), 0, &cache);
+  EXPECT_EQ(again.cached_tokens(), int64_t(p.size()));
+  EXPECT_EQ(run_all(again), first_text);
+
+  // a longer prompt that starts with it
+  std::vector<int32_t> longer = p;
+  for (const int32_t id : encode(" and the men")) longer.push_back(id);
+  Generation extended(*loaded().lm, *loaded().tok, request(longer), 0, &cache);
+  EXPECT_EQ(extended.cached_tokens(), int64_t(p.size()));
+  EXPECT_EQ(run_all(extended), uncached(longer));
+
+  // the next turn of a conversation: the prompt, the answer, then more
+  std::vector<int32_t> next_turn = p;
+  for (const int32_t id : greedy_ids(p, 7)) next_turn.push_back(id);  // the fed part of the answer
+  for (const int32_t id : encode(". It was")) next_turn.push_back(id);
+  Generation turn(*loaded().lm, *loaded().tok, request(next_turn), 0, &cache);
+  EXPECT_EQ(turn.cached_tokens(), int64_t(p.size()) + 7);
+  EXPECT_EQ(run_all(turn), uncached(next_turn));
+
+  // unrelated prompts miss; the least recently used entries go first
+  Generation miss(*loaded().lm, *loaded().tok, request(encode("A man")), 0, &cache);
+  EXPECT_EQ(miss.cached_tokens(), 0);
+  run_all(miss);
+  EXPECT_EQ(cache.size(), 4);
+  PrefixCache none(0);
+  Generation no_cache(*loaded().lm, *loaded().tok, request(p), 0, &none);
+  run_all(no_cache);
+  EXPECT_EQ(none.size(), 0);
+}
+
 TEST(ServerScheduler, InterleavedRequestsEqualOneAtATime) {
   const std::vector<std::string> prompts = {
       "The jury said that the city", "It was", "In the morning", "The man",
@@ -317,6 +392,12 @@ TEST_F(ServerHttp, CompletionsWholeAndStreamed) {
   EXPECT_EQ(whole["usage"]["prompt_tokens"], int64_t(encode(prompt).size()));
   EXPECT_EQ(whole["usage"]["completion_tokens"], 20);
   EXPECT_EQ(whole["usage"]["total_tokens"], int64_t(encode(prompt).size()) + 20);
+  EXPECT_EQ(whole["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+  const json repeat =
+      post("/v1/completions", {{"prompt", prompt}, {"max_tokens", 20}, {"temperature", 0}});
+  EXPECT_EQ(repeat["choices"][0]["text"], expected);
+  EXPECT_EQ(repeat["usage"]["prompt_tokens_details"]["cached_tokens"],
+            int64_t(encode(prompt).size()));
 
   // token ids as the prompt: the same continuation
   const json by_ids =

@@ -20,7 +20,7 @@ namespace {
 void print_usage() {
   std::puts(
       "usage: kda serve -m DIR [--host H] [--port P] [--parallel N] [--ctx N] [--name NAME]\n"
-      "                 [--device cpu|cuda] [--dtype bf16|fp32]\n"
+      "                 [--prefix-cache N] [--device cpu|cuda] [--dtype bf16|fp32]\n"
       "\n"
       "  -m DIR        model folder with a tokenizer (GPT-2 or Kimi Linear)\n"
       "  --host H      address to listen on (default 127.0.0.1)\n"
@@ -28,6 +28,8 @@ void print_usage() {
       "  --parallel N  sequences generating at once (default 4); more requests wait their turn\n"
       "  --ctx N       context limit per sequence, prompt included (default: the model's)\n"
       "  --name NAME   the model's id in the API (default: the folder's name)\n"
+      "  --prefix-cache N  sequence snapshots kept (default 16, 0: none): a prompt that starts\n"
+      "                with a kept one (a system prompt, a chat's earlier turns) continues it\n"
       "  --device D    cpu (default) or cuda; --dtype as for kda run\n"
       "\n"
       "Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions\n"
@@ -67,6 +69,9 @@ int cmd_serve(const Args& args) {
     } else if (a == "--ctx") {
       options.context = parse_int(flag_value(args, i), a);
       require(options.context >= 2, "option --ctx must be at least 2");
+    } else if (a == "--prefix-cache") {
+      options.prefix_cache = parse_int(flag_value(args, i), a);
+      require(options.prefix_cache >= 0, "option --prefix-cache must be >= 0");
     } else if (a == "--name") {
       name = flag_value(args, i);
     } else if (a == "--device") {

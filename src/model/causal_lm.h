@@ -58,6 +58,9 @@ class Session {
   // The most tokens this session can hold (feeding past it throws); 0 when not bounded.
   virtual int64_t max_context() const { return 0; }
   virtual MemoryReport memory() const = 0;
+  // An independent copy of this sequence's state (a snapshot: feeding either leaves the other as
+  // it was), or nullptr where the backend cannot copy its state yet (the CUDA sessions).
+  virtual std::unique_ptr<Session> clone() const { return nullptr; }
 };
 
 class CausalLM {

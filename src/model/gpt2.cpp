@@ -162,6 +162,7 @@ class Gpt2Session : public Session {
   int64_t length() const override { return length_; }
   int64_t max_context() const override { return max_context_; }
   MemoryReport memory() const override;
+  std::unique_ptr<Session> clone() const override;
 
  private:
   const Gpt2Model& model_;
@@ -319,6 +320,17 @@ Gpt2Session::Gpt2Session(const Gpt2Model& model, int64_t max_context)
   caches_.reserve(size_t(c.layers));
   for (int64_t l = 0; l < c.layers; ++l)
     caches_.emplace_back(1, c.heads, c.head_dim(), c.head_dim(), max_context);
+}
+
+std::unique_ptr<Session> Gpt2Session::clone() const {
+  auto copy = std::make_unique<Gpt2Session>(model_, max_context_);
+  for (size_t l = 0; l < caches_.size(); ++l) {
+    const ops::KvCache& from = caches_[l];
+    if (from.length(0) > 0)
+      copy->caches_[l].append(0, from.keys(0), from.values(0), from.length(0));
+  }
+  copy->length_ = length_;
+  return copy;
 }
 
 Tensor Gpt2Session::feed(std::span<const int32_t> ids) {

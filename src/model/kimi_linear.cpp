@@ -111,6 +111,22 @@ class KimiLinearSession final : public Session {
   KimiLinearSession(const KimiLinearModel& model, int64_t max_context)
       : model_(model), memory_(model.new_memory(max_context)) {}
 
+  // The fixed part (KDA states and conv windows) is copied whole; the MLA latent rows are copied
+  // into pages of the copy's own pool.
+  std::unique_ptr<Session> clone() const override {
+    auto copy = std::make_unique<KimiLinearSession>(model_, memory_.max_context);
+    copy->memory_.kda = memory_.kda;
+    std::vector<float> rows;
+    for (size_t i = 0; i < memory_.latent.size(); ++i) {
+      const runtime::LatentCache& from = memory_.latent[i];
+      rows.resize(size_t(from.length() * from.row_width()));
+      from.gather(rows.data());
+      copy->memory_.latent[i].append(rows.data(), from.length());
+    }
+    copy->memory_.length = memory_.length;
+    return copy;
+  }
+
   Tensor feed(std::span<const int32_t> ids) override { return model_.run(ids, memory_, scratch_); }
   Tensor feed_last(std::span<const int32_t> ids) override {
     return model_.run(ids, memory_, scratch_, true);

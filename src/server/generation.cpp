@@ -18,13 +18,14 @@ const char* finish_reason_name(FinishReason r) {
 }
 
 Generation::Generation(const model::CausalLM& lm, const tokenizer::Tokenizer& tok,
-                       GenerationRequest request, int64_t context)
+                       GenerationRequest request, int64_t context, PrefixCache* cache)
     : tok_(tok),
       request_(std::move(request)),
       session_(lm.start_session(context)),
       sampler_(request_.sampling),
       text_(tok),
-      stop_ids_(tok.stop_ids()) {
+      stop_ids_(tok.stop_ids()),
+      cache_(cache) {
   request_.sampling.validate();
   require(!request_.prompt.empty(), "the prompt encodes to no tokens");
   require(request_.max_tokens >= 0, "max_tokens must be >= 0");
@@ -36,15 +37,32 @@ Generation::Generation(const model::CausalLM& lm, const tokenizer::Tokenizer& to
           "the prompt has " + std::to_string(prompt_tokens()) +
               " tokens, which leaves no room in the context of " + std::to_string(context_));
   std::erase_if(request_.stop, [](const std::string& s) { return s.empty(); });
+  if (cache_) {
+    PrefixCache::Hit hit = cache_->lookup(request_.prompt);
+    if (hit.session) {
+      session_ = std::move(hit.session);
+      prefilled_ = cached_ = hit.tokens;
+      last_logits_ = std::move(hit.last_logits);
+    }
+  }
+  fed_.assign(request_.prompt.begin(), request_.prompt.begin() + prefilled_);
+}
+
+void Generation::finish(FinishReason r) {
+  finish_ = r;
+  // the sequence so far (the last sampled id is not fed): the next turn of a chat starts with it
+  if (cache_) cache_->store(fed_, *session_, last_logits_);
 }
 
 std::string Generation::step() {
   if (done()) return {};
   if (prefilled_ < prompt_tokens()) {
     const int64_t n = std::min(kPrefillPiece, prompt_tokens() - prefilled_);
-    last_logits_ = session_->feed_last(
-        std::span<const int32_t>(request_.prompt.data() + prefilled_, size_t(n)));
+    const std::span<const int32_t> piece(request_.prompt.data() + prefilled_, size_t(n));
+    last_logits_ = session_->feed_last(piece);
+    fed_.insert(fed_.end(), piece.begin(), piece.end());
     prefilled_ += n;
+    if (cache_ && prefilled_ == prompt_tokens()) cache_->store(fed_, *session_, last_logits_);
     return {};
   }
   const int32_t next = sampler_.sample(last_logits_.span_f32());
@@ -62,7 +80,10 @@ std::string Generation::step() {
     return emit(std::move(piece), true);
   }
   std::string out = emit(std::move(piece), false);
-  if (!done()) last_logits_ = session_->feed_last(std::span<const int32_t>(&next, 1));
+  if (!done()) {
+    last_logits_ = session_->feed_last(std::span<const int32_t>(&next, 1));
+    fed_.push_back(next);
+  }
   return out;
 }
 

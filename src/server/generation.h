@@ -9,6 +9,7 @@
 
 #include "model/causal_lm.h"
 #include "runtime/sampling.h"
+#include "server/prefix_cache.h"
 #include "tokenizer/text_stream.h"
 #include "tokenizer/tokenizer.h"
 
@@ -27,9 +28,10 @@ const char* finish_reason_name(FinishReason r);  // "stop", "length" (null while
 class Generation {
  public:
   // Throws kda::Error when the prompt is empty or longer than the context (`context` 0: the
-  // model's own limit).
+  // model's own limit). With a prefix cache, the longest snapshot that begins the prompt is
+  // continued, and snapshots are stored after the prompt and at the end.
   Generation(const model::CausalLM& lm, const tokenizer::Tokenizer& tok, GenerationRequest request,
-             int64_t context);
+             int64_t context, PrefixCache* cache = nullptr);
   // Prefill of at most kPrefillPiece prompt tokens, or one decode step; returns the text that
   // became final (possibly empty: an unfinished character, or a possible start of a stop string).
   std::string step();
@@ -37,13 +39,14 @@ class Generation {
   FinishReason finish_reason() const { return finish_; }
   int64_t prompt_tokens() const { return int64_t(request_.prompt.size()); }
   int64_t completion_tokens() const { return generated_; }
+  int64_t cached_tokens() const { return cached_; }  // prompt tokens taken from the cache
 
   // Prompt tokens fed per step: long prompts then yield to the other sequences between pieces.
   static constexpr int64_t kPrefillPiece = 512;
 
  private:
   std::string emit(std::string piece, bool final);  // applies the stop strings
-  void finish(FinishReason r) { finish_ = r; }
+  void finish(FinishReason r);
 
   const tokenizer::Tokenizer& tok_;
   GenerationRequest request_;
@@ -52,6 +55,9 @@ class Generation {
   tokenizer::TextStream text_;
   std::vector<int32_t> stop_ids_;
   int64_t context_ = 0;
+  PrefixCache* cache_ = nullptr;
+  std::vector<int32_t> fed_;  // the ids the session has consumed (prompt, then the answer)
+  int64_t cached_ = 0;
   int64_t prefilled_ = 0;
   int64_t generated_ = 0;
   Tensor last_logits_;

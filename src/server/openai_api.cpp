@@ -225,7 +225,8 @@ void OpenAiApi::completions(const HttpRequest& request, HttpResponder& out, bool
   auto usage = [](const Job::Event& e) {
     return json{{"prompt_tokens", e.prompt_tokens},
                 {"completion_tokens", e.completion_tokens},
-                {"total_tokens", e.prompt_tokens + e.completion_tokens}};
+                {"total_tokens", e.prompt_tokens + e.completion_tokens},
+                {"prompt_tokens_details", {{"cached_tokens", e.cached_tokens}}}};
   };
   auto finish = [](const Job::Event& e) {
     const char* name = finish_reason_name(e.finish);

@@ -44,7 +44,7 @@ void Job::push(Event e) {
 
 Scheduler::Scheduler(const model::CausalLM& lm, const tokenizer::Tokenizer& tok,
                      SchedulerOptions options)
-    : lm_(lm), tok_(tok), options_(options) {
+    : lm_(lm), tok_(tok), options_(options), prefix_cache_(options.prefix_cache) {
   require(options_.max_active >= 1, "the scheduler needs at least one active sequence");
   worker_ = std::thread([this] { run(); });
 }
@@ -70,7 +70,8 @@ std::shared_ptr<Job> Scheduler::submit(GenerationRequest request) {
   std::unique_ptr<Generation> generation;
   {
     std::lock_guard<std::mutex> model_lock(model_mutex_);
-    generation = std::make_unique<Generation>(lm_, tok_, std::move(request), options_.context);
+    generation = std::make_unique<Generation>(lm_, tok_, std::move(request), options_.context,
+                                              &prefix_cache_);
   }
   auto job = std::make_shared<Job>();
   {
@@ -114,6 +115,7 @@ void Scheduler::run() {
               ev.finish = e.generation->finish_reason();
               ev.prompt_tokens = e.generation->prompt_tokens();
               ev.completion_tokens = e.generation->completion_tokens();
+              ev.cached_tokens = e.generation->cached_tokens();
             }
             e.job->push(std::move(ev));
           }

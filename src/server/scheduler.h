@@ -27,7 +27,7 @@ class Job {
     bool last = false;
     std::string error;  // set on the last event when generation failed
     FinishReason finish = FinishReason::running;
-    int64_t prompt_tokens = 0, completion_tokens = 0;
+    int64_t prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
   };
   // Blocks until the next event.
   Event next();
@@ -45,8 +45,9 @@ class Job {
 };
 
 struct SchedulerOptions {
-  int64_t max_active = 4;  // sequences generating at once; more wait in the queue
-  int64_t context = 0;     // per-sequence context limit (0: the model's)
+  int64_t max_active = 4;     // sequences generating at once; more wait in the queue
+  int64_t context = 0;        // per-sequence context limit (0: the model's)
+  int64_t prefix_cache = 16;  // snapshots kept for prompts that start alike (0: none)
 };
 
 class Scheduler {
@@ -74,7 +75,8 @@ class Scheduler {
   const tokenizer::Tokenizer& tok_;
   SchedulerOptions options_;
   std::mutex mutex_;        // the queue and stopping_
-  std::mutex model_mutex_;  // one thread on the model at a time (sessions are made on callers')
+  std::mutex model_mutex_;  // one thread on the model (and the prefix cache) at a time
+  PrefixCache prefix_cache_;
   std::condition_variable wake_;
   std::deque<Entry> waiting_;
   bool stopping_ = false;
