@@ -33,6 +33,7 @@
 #include "server/http_server.h"
 #include "server/openai_api.h"
 #include "server/scheduler.h"
+#include "tokenizer/text_stream.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kda::server {
@@ -68,6 +69,11 @@ std::vector<int32_t> encode(const std::string& text) {
   return loaded().tok->encode(text, false);
 }
 
+// The context a session of the model holds with the --ctx option `context` (0: the model's).
+int64_t limit(int64_t context) {
+  return Generation::context_limit(*loaded().lm, context);
+}
+
 // Runs a generation to its end; returns the text and the pieces it came in.
 std::string run_all(Generation& g, std::vector<std::string>* pieces = nullptr) {
   std::string text;
@@ -91,7 +97,7 @@ GenerationRequest greedy(const std::string& prompt, int64_t max_tokens) {
 TEST(ServerGeneration, GreedyMatchesAPlainDecodeLoop) {
   for (const char* prompt : {"The jury said that the city", "It", "In the morning, the men of"}) {
     const std::vector<int32_t> ids = greedy_ids(encode(prompt), 24);
-    Generation g(*loaded().lm, *loaded().tok, greedy(prompt, 24), 0);
+    Generation g(*loaded().lm, *loaded().tok, greedy(prompt, 24), 0, limit(0));
     const std::string text = run_all(g);
     EXPECT_EQ(text, loaded().tok->decode(ids)) << prompt;
     EXPECT_EQ(g.finish_reason(), FinishReason::length);
@@ -105,17 +111,17 @@ TEST(ServerGeneration, LongPromptsArePrefilledInPieces) {
   while (int64_t(encode(prompt).size()) < 2 * Generation::kPrefillPiece + 37)
     prompt += "The city said that the jury was not in the way at the first. ";
   const std::vector<int32_t> ids = greedy_ids(encode(prompt), 8);
-  Generation g(*loaded().lm, *loaded().tok, greedy(prompt, 8), 0);
+  Generation g(*loaded().lm, *loaded().tok, greedy(prompt, 8), 0, limit(0));
   int empty_steps = 0;
   while (!g.done() && g.step().empty()) ++empty_steps;
   EXPECT_GE(empty_steps, 3);  // three prefill pieces before any text
-  Generation again(*loaded().lm, *loaded().tok, greedy(prompt, 8), 0);
+  Generation again(*loaded().lm, *loaded().tok, greedy(prompt, 8), 0, limit(0));
   EXPECT_EQ(run_all(again), loaded().tok->decode(ids));
 }
 
 TEST(ServerGeneration, StopStringsEndTheTextBeforeThem) {
   const std::string prompt = "The jury said that the city";
-  Generation full(*loaded().lm, *loaded().tok, greedy(prompt, 40), 0);
+  Generation full(*loaded().lm, *loaded().tok, greedy(prompt, 40), 0, limit(0));
   const std::string text = run_all(full);
   ASSERT_GT(text.size(), 20u);
   // a stop string spanning several tokens, found mid-text, and one that never occurs
@@ -123,7 +129,7 @@ TEST(ServerGeneration, StopStringsEndTheTextBeforeThem) {
     GenerationRequest r = greedy(prompt, 40);
     const std::string stop = text.substr(at, 4);
     r.stop = {"never-in-this-text", stop};
-    Generation g(*loaded().lm, *loaded().tok, r, 0);
+    Generation g(*loaded().lm, *loaded().tok, r, 0, limit(0));
     std::vector<std::string> pieces;
     const std::string got = run_all(g, &pieces);
     EXPECT_EQ(got, text.substr(0, text.find(stop))) << "stop '" << stop << "'";
@@ -132,7 +138,7 @@ TEST(ServerGeneration, StopStringsEndTheTextBeforeThem) {
   }
   GenerationRequest r = greedy(prompt, 40);
   r.stop = {"never-in-this-text"};
-  Generation g(*loaded().lm, *loaded().tok, r, 0);
+  Generation g(*loaded().lm, *loaded().tok, r, 0, limit(0));
   EXPECT_EQ(run_all(g), text);
   EXPECT_EQ(g.finish_reason(), FinishReason::length);
 }
@@ -140,18 +146,18 @@ TEST(ServerGeneration, StopStringsEndTheTextBeforeThem) {
 TEST(ServerGeneration, ContextLimitAndRefusals) {
   const std::string prompt = "The jury said that the city";
   const int64_t p = int64_t(encode(prompt).size());
-  Generation g(*loaded().lm, *loaded().tok, greedy(prompt, 0), p + 3);
+  Generation g(*loaded().lm, *loaded().tok, greedy(prompt, 0), p + 3, limit(p + 3));
   run_all(g);
   EXPECT_EQ(g.finish_reason(), FinishReason::length);
   EXPECT_EQ(g.completion_tokens(), 4);  // the last from the logits of the context's last token
-  EXPECT_THROW(Generation(*loaded().lm, *loaded().tok, greedy(prompt, 4), p), Error);
-  EXPECT_THROW(Generation(*loaded().lm, *loaded().tok, greedy("", 4), 0), Error);
+  EXPECT_THROW(Generation(*loaded().lm, *loaded().tok, greedy(prompt, 4), p, limit(p)), Error);
+  EXPECT_THROW(Generation(*loaded().lm, *loaded().tok, greedy("", 4), 0, limit(0)), Error);
   GenerationRequest bad = greedy(prompt, 4);
   bad.prompt.push_back(int32_t(loaded().lm->vocab_size()));
-  EXPECT_THROW(Generation(*loaded().lm, *loaded().tok, bad, 0), Error);
+  EXPECT_THROW(Generation(*loaded().lm, *loaded().tok, bad, 0, limit(0)), Error);
   GenerationRequest negative = greedy(prompt, 4);
   negative.sampling.temperature = -1;
-  EXPECT_THROW(Generation(*loaded().lm, *loaded().tok, negative, 0), Error);
+  EXPECT_THROW(Generation(*loaded().lm, *loaded().tok, negative, 0, limit(0)), Error);
 }
 
 // A snapshot is independent of its source: both continue exactly as the source would have.
@@ -188,43 +194,43 @@ TEST(ServerPrefixCache, ContinuesFromSnapshotsWithTheSameAnswers) {
     return r;
   };
   auto uncached = [&](const std::vector<int32_t>& prompt) {
-    Generation g(*loaded().lm, *loaded().tok, request(prompt), 0);
+    Generation g(*loaded().lm, *loaded().tok, request(prompt), 0, limit(0));
     return run_all(g);
   };
   PrefixCache cache(4);
-  Generation first(*loaded().lm, *loaded().tok, request(p), 0, &cache);
+  Generation first(*loaded().lm, *loaded().tok, request(p), 0, limit(0), &cache);
   const std::string first_text = run_all(first);
   EXPECT_EQ(first.cached_tokens(), 0);
   EXPECT_EQ(first_text, uncached(p));
   EXPECT_EQ(cache.size(), 2);  // after the prompt, and at the end
 
   // the same prompt again: no prefill at all (the snapshot keeps its last logits)
-  Generation again(*loaded().lm, *loaded().tok, request(p), 0, &cache);
-  EXPECT_EQ(again.cached_tokens(), int64_t(p.size()));
+  Generation again(*loaded().lm, *loaded().tok, request(p), 0, limit(0), &cache);
   EXPECT_EQ(run_all(again), first_text);
+  EXPECT_EQ(again.cached_tokens(), int64_t(p.size()));
 
   // a longer prompt that starts with it
   std::vector<int32_t> longer = p;
   for (const int32_t id : encode(" and the men")) longer.push_back(id);
-  Generation extended(*loaded().lm, *loaded().tok, request(longer), 0, &cache);
-  EXPECT_EQ(extended.cached_tokens(), int64_t(p.size()));
+  Generation extended(*loaded().lm, *loaded().tok, request(longer), 0, limit(0), &cache);
   EXPECT_EQ(run_all(extended), uncached(longer));
+  EXPECT_EQ(extended.cached_tokens(), int64_t(p.size()));
 
   // the next turn of a conversation: the prompt, the answer, then more
   std::vector<int32_t> next_turn = p;
   for (const int32_t id : greedy_ids(p, 7)) next_turn.push_back(id);  // the fed part of the answer
   for (const int32_t id : encode(". It was")) next_turn.push_back(id);
-  Generation turn(*loaded().lm, *loaded().tok, request(next_turn), 0, &cache);
-  EXPECT_EQ(turn.cached_tokens(), int64_t(p.size()) + 7);
+  Generation turn(*loaded().lm, *loaded().tok, request(next_turn), 0, limit(0), &cache);
   EXPECT_EQ(run_all(turn), uncached(next_turn));
+  EXPECT_EQ(turn.cached_tokens(), int64_t(p.size()) + 7);
 
   // unrelated prompts miss; the least recently used entries go first
-  Generation miss(*loaded().lm, *loaded().tok, request(encode("A man")), 0, &cache);
-  EXPECT_EQ(miss.cached_tokens(), 0);
+  Generation miss(*loaded().lm, *loaded().tok, request(encode("A man")), 0, limit(0), &cache);
   run_all(miss);
+  EXPECT_EQ(miss.cached_tokens(), 0);
   EXPECT_EQ(cache.size(), 4);
   PrefixCache none(0);
-  Generation no_cache(*loaded().lm, *loaded().tok, request(p), 0, &none);
+  Generation no_cache(*loaded().lm, *loaded().tok, request(p), 0, limit(0), &none);
   run_all(no_cache);
   EXPECT_EQ(none.size(), 0);
 }
@@ -235,7 +241,7 @@ TEST(ServerScheduler, InterleavedRequestsEqualOneAtATime) {
       "Several members said that",   "A"};
   std::vector<std::string> alone;
   for (const std::string& p : prompts) {
-    Generation g(*loaded().lm, *loaded().tok, greedy(p, 12 + int64_t(p.size() % 5)), 0);
+    Generation g(*loaded().lm, *loaded().tok, greedy(p, 12 + int64_t(p.size() % 5)), 0, limit(0));
     alone.push_back(run_all(g));
   }
   Scheduler scheduler(*loaded().lm, *loaded().tok, {.max_active = 2, .context = 0});
@@ -266,15 +272,24 @@ struct Reply {
   std::string headers, body;
 };
 
-Reply http(int port, const std::string& method, const std::string& path,
-           const std::string& body = "", const std::string& extra_headers = "") {
+// Connects to the server on loopback (a receive timeout turns a hung server into a failure).
+int connect_to(int port) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  timeval timeout{60, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(uint16_t(port));
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-  const std::string request = method + " " + path + " HTTP/1.1\r\nHost: localhost\r\n" +
+  return fd;
+}
+
+Reply http(int port, const std::string& method, const std::string& path,
+           const std::string& body = "", const std::string& extra_headers = "",
+           const std::string& version = "HTTP/1.1") {
+  const int fd = connect_to(port);
+  const std::string request = method + " " + path + " " + version + "\r\nHost: localhost\r\n" +
                               extra_headers + "Content-Length: " + std::to_string(body.size()) +
                               "\r\n\r\n" + body;
   // the server may answer (and stop reading) before a too-large request is all sent
@@ -515,6 +530,11 @@ TEST_F(ServerHttp, RefusesWhatItCannotServe) {
   refused(c, R"({"prompt": "a", "temperature": "hot"})", "temperature");
   refused(c, R"({"prompt": "a", "top_p": 0})", "top_p");
   refused(c, R"({"prompt": "a", "max_tokens": -1})", "max_tokens");
+  refused(c, R"({"prompt": "a", "max_tokens": 0})", "max_tokens");
+  refused(c, R"({"prompt": "a", "stream": true, "stream_options": {"include_usage": 1}})",
+          "stream_options.include_usage");
+  refused("/v1/chat/completions", R"({"messages": [{"role": "user", "content": [{"type": 5}]}]})",
+          "messages[0].content");
   refused(c, R"({"prompt": "a", "stop": [1]})", "stop");
   refused(c, R"({"prompt": "a", "stop": ["a","b","c","d","e"]})", "stop");
   refused(c, R"({"prompt": "a", "logprobs": 2})", "logprobs");
@@ -540,6 +560,122 @@ TEST_F(ServerHttp, RefusesWhatItCannotServe) {
   EXPECT_EQ(post(c, {{"prompt", "The"}, {"max_tokens", 2}})["usage"]["completion_tokens"], 2);
 }
 
+TEST(ServerText, PiecesAreWholeCharacters) {
+  using tokenizer::incomplete_utf8_tail;
+  using tokenizer::valid_utf8;
+  const std::string text = "a\xC3\xA9 \xE6\x97\xA5\xE6\x9C\xAC \xF0\x9F\x98\x80!";  // aé 日本 😀!
+  EXPECT_EQ(valid_utf8(text), text);
+  EXPECT_EQ(valid_utf8("a\xFF"
+                       "b"),
+            "a\xEF\xBF\xBD"
+            "b");
+  EXPECT_EQ(valid_utf8("\xC0\xAF"), "\xEF\xBF\xBD\xEF\xBF\xBD");                  // overlong
+  EXPECT_EQ(valid_utf8("\xED\xA0\x80"), "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");  // surrogate
+  EXPECT_EQ(valid_utf8("\xF4\x90\x80\x80").size(), 12u);                          // past U+10FFFF
+  EXPECT_EQ(incomplete_utf8_tail("ab\xE6\x97"), 2u);
+  EXPECT_EQ(incomplete_utf8_tail("ab\xF0"), 1u);
+  EXPECT_EQ(incomplete_utf8_tail("ab\xE6\x97\xA5"), 0u);
+  EXPECT_EQ(incomplete_utf8_tail("ab\x97"), 0u);  // a stray continuation: not a start
+  // through the model's byte-level tokenizer: every piece valid, together the text
+  const std::vector<int32_t> ids = loaded().tok->encode(text, false);
+  tokenizer::TextStream stream(*loaded().tok);
+  std::string joined;
+  for (const int32_t id : ids) {
+    const std::string piece = stream.add(id);
+    EXPECT_EQ(valid_utf8(piece), piece);
+    joined += piece;
+  }
+  joined += stream.finish();
+  EXPECT_EQ(joined, text);
+  // a character left incomplete at the end: the byte-level vocabulary has every single byte
+  int32_t lead = -1;
+  for (int32_t id = 0; id < loaded().tok->vocab_size() && lead < 0; ++id)
+    if (loaded().tok->decode({id}) == "\xE6") lead = id;
+  ASSERT_GE(lead, 0);
+  tokenizer::TextStream cut(*loaded().tok);
+  std::string half = cut.add(loaded().tok->encode("x", false).at(0));
+  EXPECT_EQ(cut.add(lead), "");  // held back: more bytes may come
+  EXPECT_EQ(half + cut.finish(), "x\xEF\xBF\xBD");
+}
+
+TEST_F(ServerHttp, NonAsciiOutputIsValidJsonWholeAndStreamed) {
+  start(*loaded().tok);
+  for (const int seed : {38, 1, 2, 3}) {
+    const json body = {
+        {"prompt", "\xC3\xA9 \xC3\xBC \xC3\x9F \xE6\x97\xA5\xE6\x9C\xAC \xF0\x9F\x98\x80 \xC3\xB1"},
+        {"max_tokens", 40},
+        {"temperature", 2},
+        {"seed", seed}};
+    const json whole = post("/v1/completions", body);
+    const std::string text = whole["choices"][0]["text"];
+    EXPECT_EQ(tokenizer::valid_utf8(text), text);
+    json streamed_body = body;
+    streamed_body["stream"] = true;
+    const Reply r = http(port(), "POST", "/v1/completions", streamed_body.dump());
+    std::string joined;
+    for (const json& e : events(r.body)) joined += e["choices"][0]["text"].get<std::string>();
+    EXPECT_EQ(joined, text);  // same seed: the same answer
+  }
+}
+
+TEST_F(ServerHttp, ClientsThatLeaveFreeTheirSequence) {
+  start(*loaded().tok, {.max_active = 1, .context = 0, .prefix_cache = 0, .max_waiting = 0});
+  for (const bool stream : {false, true}) {
+    // a request that would generate for a long time, and a client that leaves at once
+    const int fd = connect_to(port());
+    const std::string body =
+        json{{"prompt", "The jury"}, {"max_tokens", 4000}, {"stream", stream}}.dump();
+    const std::string request =
+        "POST /v1/completions HTTP/1.1\r\nContent-Length: " + std::to_string(body.size()) +
+        "\r\n\r\n" + body;
+    ASSERT_EQ(send(fd, request.data(), request.size(), MSG_NOSIGNAL), ssize_t(request.size()));
+    for (int i = 0; i < 100 && scheduler_->in_flight() == 0; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    ASSERT_EQ(scheduler_->in_flight(), 1);
+    // the only slot is taken and nothing may wait: another request is refused with 503
+    EXPECT_EQ(http(port(), "POST", "/v1/completions", R"({"prompt": "A"})").status, 503);
+    const int64_t cancelled = scheduler_->cancelled();
+    close(fd);
+    // dropped at its next turn, long before its 4000 tokens: it ends as cancelled, not finished
+    for (int i = 0; i < 3000 && scheduler_->in_flight() > 0; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_EQ(scheduler_->in_flight(), 0) << (stream ? "streamed" : "whole");
+    EXPECT_EQ(scheduler_->cancelled(), cancelled + 1) << (stream ? "streamed" : "whole");
+  }
+  EXPECT_EQ(
+      post("/v1/completions", {{"prompt", "The"}, {"max_tokens", 2}})["usage"]["completion_tokens"],
+      2);
+}
+
+TEST_F(ServerHttp, ChatMessagesCannotCarryTemplateTokens) {
+  const ChatTokenizer chat(*loaded().tok);
+  start(chat);
+  const std::vector<int32_t> stops = loaded().tok->stop_ids();
+  ASSERT_FALSE(stops.empty());
+  const std::string special = loaded().tok->decode({stops[0]});  // e.g. <|endoftext|>
+  ASSERT_EQ(loaded().tok->encode(special, true).size(), 1u);
+  const Reply r =
+      http(port(), "POST", "/v1/chat/completions",
+           json{{"messages", json::array({{{"role", "system"}, {"content", "Hi."}},
+                                          {{"role", "user"}, {"content", "a " + special + " b"}}})}}
+               .dump());
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(json::parse(r.body)["error"]["param"], "messages[1].content") << r.body;
+}
+
+TEST_F(ServerHttp, Http10ClientsGetACloseDelimitedStream) {
+  start(*loaded().tok);
+  const Reply r = http(
+      port(), "POST", "/v1/completions",
+      json{{"prompt", "The jury"}, {"max_tokens", 5}, {"temperature", 0}, {"stream", true}}.dump(),
+      "", "HTTP/1.0");
+  ASSERT_EQ(r.status, 200);
+  EXPECT_EQ(r.headers.find("chunked"), std::string::npos);
+  std::string joined;
+  for (const json& e : events(r.body)) joined += e["choices"][0]["text"].get<std::string>();
+  EXPECT_EQ(joined, loaded().tok->decode(greedy_ids(encode("The jury"), 5)));
+}
+
 // The command itself: `kda serve --port 0` prints where it listens, answers, and stops cleanly on
 // Ctrl-C (SIGINT); bad flags fail with a message.
 TEST(ServerCommand, ServesAndStopsOnInterrupt) {
@@ -557,6 +693,12 @@ TEST(ServerCommand, ServesAndStopsOnInterrupt) {
   pid_t pid = 0;
   ASSERT_EQ(posix_spawn(&pid, binary.c_str(), &files, nullptr, argv.data(), environ), 0);
   posix_spawn_file_actions_destroy(&files);
+  struct KillOnExit {  // a failed assertion must not leave the server running
+    pid_t& pid;
+    ~KillOnExit() {
+      if (pid > 0) kill(pid, SIGKILL), waitpid(pid, nullptr, 0);
+    }
+  } kill_on_exit{pid};
   int port = 0;
   for (int i = 0; i < 300 && port == 0; ++i) {  // up to 30 s for the model to load
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -575,6 +717,7 @@ TEST(ServerCommand, ServesAndStopsOnInterrupt) {
   kill(pid, SIGINT);
   int status = 0;
   waitpid(pid, &status, 0);
+  pid = 0;
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
 
   const testing::CommandResult bad = testing::run_kda("serve -m " + kModelDir + " --port 70000");

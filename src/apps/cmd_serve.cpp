@@ -39,8 +39,9 @@ void print_usage() {
 
 server::HttpServer* g_server = nullptr;
 
-extern "C" void on_signal(int) {
+extern "C" void on_signal(int signal) {
   if (g_server) g_server->stop();  // only sets an atomic flag
+  std::signal(signal, SIG_DFL);    // a second Ctrl-C ends the process at once
 }
 
 }  // namespace

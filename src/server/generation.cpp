@@ -17,14 +17,21 @@ const char* finish_reason_name(FinishReason r) {
   }
 }
 
+int64_t Generation::context_limit(const model::CausalLM& lm, int64_t context) {
+  return lm.start_session(context)->max_context();
+}
+
 Generation::Generation(const model::CausalLM& lm, const tokenizer::Tokenizer& tok,
-                       GenerationRequest request, int64_t context, PrefixCache* cache)
-    : tok_(tok),
+                       GenerationRequest request, int64_t context, int64_t context_limit,
+                       PrefixCache* cache)
+    : lm_(lm),
+      tok_(tok),
       request_(std::move(request)),
-      session_(lm.start_session(context)),
       sampler_(request_.sampling),
       text_(tok),
       stop_ids_(tok.stop_ids()),
+      context_option_(context),
+      context_(context_limit),
       cache_(cache) {
   request_.sampling.validate();
   require(!request_.prompt.empty(), "the prompt encodes to no tokens");
@@ -32,11 +39,13 @@ Generation::Generation(const model::CausalLM& lm, const tokenizer::Tokenizer& to
   for (const int32_t id : request_.prompt)
     require(id >= 0 && id < lm.vocab_size(),
             "prompt token id " + std::to_string(id) + " is outside the model's vocabulary");
-  context_ = session_->max_context();
   require(context_ == 0 || prompt_tokens() < context_,
           "the prompt has " + std::to_string(prompt_tokens()) +
               " tokens, which leaves no room in the context of " + std::to_string(context_));
   std::erase_if(request_.stop, [](const std::string& s) { return s.empty(); });
+}
+
+void Generation::start() {
   if (cache_) {
     PrefixCache::Hit hit = cache_->lookup(request_.prompt);
     if (hit.session) {
@@ -45,6 +54,7 @@ Generation::Generation(const model::CausalLM& lm, const tokenizer::Tokenizer& to
       last_logits_ = std::move(hit.last_logits);
     }
   }
+  if (!session_) session_ = lm_.start_session(context_option_);
   fed_.assign(request_.prompt.begin(), request_.prompt.begin() + prefilled_);
 }
 
@@ -56,6 +66,10 @@ void Generation::finish(FinishReason r) {
 
 std::string Generation::step() {
   if (done()) return {};
+  if (!session_) {
+    start();
+    if (prefilled_ < prompt_tokens()) return {};  // else the cache held the whole prompt
+  }
   if (prefilled_ < prompt_tokens()) {
     const int64_t n = std::min(kPrefillPiece, prompt_tokens() - prefilled_);
     const std::span<const int32_t> piece(request_.prompt.data() + prefilled_, size_t(n));

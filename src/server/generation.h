@@ -27,11 +27,16 @@ const char* finish_reason_name(FinishReason r);  // "stop", "length" (null while
 
 class Generation {
  public:
-  // Throws kda::Error when the prompt is empty or longer than the context (`context` 0: the
-  // model's own limit). With a prefix cache, the longest snapshot that begins the prompt is
-  // continued, and snapshots are stored after the prompt and at the end.
+  // Checks the request (throws kda::Error: an empty prompt, ids outside the vocabulary, no room
+  // left in `context_limit` tokens, the session's limit for `context`, see context_limit()) and
+  // allocates nothing: the session is made (or continued from the prefix cache's longest
+  // snapshot that begins the prompt) by the first step, when a scheduler admits the request.
   Generation(const model::CausalLM& lm, const tokenizer::Tokenizer& tok, GenerationRequest request,
-             int64_t context, PrefixCache* cache = nullptr);
+             int64_t context, int64_t context_limit, PrefixCache* cache = nullptr);
+  // The context a session made with start_session(context) holds (0: unbounded); it allocates
+  // one session, so callers ask once.
+  static int64_t context_limit(const model::CausalLM& lm, int64_t context);
+
   // Prefill of at most kPrefillPiece prompt tokens, or one decode step; returns the text that
   // became final (possibly empty: an unfinished character, or a possible start of a stop string).
   std::string step();
@@ -45,16 +50,18 @@ class Generation {
   static constexpr int64_t kPrefillPiece = 512;
 
  private:
+  void start();                                     // the session, new or from the cache
   std::string emit(std::string piece, bool final);  // applies the stop strings
   void finish(FinishReason r);
 
+  const model::CausalLM& lm_;
   const tokenizer::Tokenizer& tok_;
   GenerationRequest request_;
   std::unique_ptr<model::Session> session_;
   runtime::Sampler sampler_;
   tokenizer::TextStream text_;
   std::vector<int32_t> stop_ids_;
-  int64_t context_ = 0;
+  int64_t context_option_ = 0, context_ = 0;
   PrefixCache* cache_ = nullptr;
   std::vector<int32_t> fed_;  // the ids the session has consumed (prompt, then the answer)
   int64_t cached_ = 0;

@@ -1,8 +1,10 @@
 #include "server/openai_api.h"
 
+#include <chrono>
 #include <cmath>
 #include <ctime>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 
 #include "core/error.h"
@@ -26,8 +28,13 @@ json error_body(const std::string& message, const char* type, const std::string&
             {"code", nullptr}}}};
 }
 
+// Text from the model is valid UTF-8 (tokenizer::TextStream); replacing is only a last guard.
+std::string dump(const json& j) {
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
 void send_json(HttpResponder& out, int status, const json& body) {
-  out.send(status, "application/json", body.dump());
+  out.send(status, "application/json", dump(body));
 }
 
 bool present(const json& body, const char* key) {
@@ -62,8 +69,8 @@ std::string text_content(const json& content, const std::string& param) {
   if (content.is_array()) {  // [{"type": "text", "text": "..."}, ...]
     std::string text;
     for (const json& part : content) {
-      if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
-          !part["text"].is_string())
+      if (!part.is_object() || !part.contains("type") || part["type"] != "text" ||
+          !part.contains("text") || !part["text"].is_string())
         throw BadRequest{"only text content parts are supported", param};
       text += part["text"].get<std::string>();
     }
@@ -92,7 +99,7 @@ GenerationRequest common_fields(const json& body, bool chat) {
       present(body, "seed") ? uint64_t(int_field(body, "seed", 0, 0)) : std::random_device{}();
   const char* max_key =
       chat && present(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
-  r.max_tokens = int_field(body, max_key, chat ? 0 : 16, chat ? 1 : 0);
+  r.max_tokens = int_field(body, max_key, chat ? 0 : 16, 1);
   if (present(body, "stop")) {
     const json& stop = body["stop"];
     if (stop.is_string()) {
@@ -116,6 +123,23 @@ OpenAiApi::OpenAiApi(Scheduler& scheduler, const tokenizer::Tokenizer& tok, std:
       tok_(tok),
       model_name_(std::move(model_name)),
       started_(int64_t(std::time(nullptr))) {}
+
+// The template's markers are special tokens; a message's text must not bring its own (a user
+// writing "<|im_end|>" would otherwise end their turn and open one of another role). Such
+// messages are refused; the rest is encoded whole, as `kda run --chat` encodes it.
+std::vector<int32_t> OpenAiApi::encode_chat(
+    const std::vector<tokenizer::ChatMessage>& messages) const {
+  for (size_t i = 0; i < messages.size(); ++i) {
+    if (tok_.encode(messages[i].content, true) != tok_.encode(messages[i].content, false))
+      throw BadRequest{"messages[" + std::to_string(i) + "].content holds a special token",
+                       "messages[" + std::to_string(i) + "].content"};
+  }
+  try {
+    return tok_.encode(tok_.apply_chat_template(messages), /*allow_special=*/true);
+  } catch (const Error& e) {
+    throw BadRequest{std::string(e.what()) + "; use /v1/completions", "messages"};
+  }
+}
 
 std::string OpenAiApi::next_id(const char* prefix) {
   char buf[64];
@@ -165,6 +189,9 @@ void OpenAiApi::completions(const HttpRequest& request, HttpResponder& out, bool
     if (present(body, "stream_options")) {
       const json& so = body["stream_options"];
       if (!so.is_object()) throw BadRequest{"stream_options must be an object", "stream_options"};
+      if (so.contains("include_usage") && !so["include_usage"].is_boolean())
+        throw BadRequest{"stream_options.include_usage must be true or false",
+                         "stream_options.include_usage"};
       include_usage = so.value("include_usage", false);
     }
     GenerationRequest r = common_fields(body, chat);
@@ -184,13 +211,7 @@ void OpenAiApi::completions(const HttpRequest& request, HttpResponder& out, bool
         messages.push_back({role == "developer" ? "system" : role,
                             text_content(m["content"], where + ".content")});
       }
-      std::string prompt;
-      try {
-        prompt = tok_.apply_chat_template(messages);
-      } catch (const Error& e) {
-        throw BadRequest{std::string(e.what()) + "; use /v1/completions", "messages"};
-      }
-      r.prompt = tok_.encode(prompt, /*allow_special=*/true);
+      r.prompt = encode_chat(messages);
     } else {
       if (!body.contains("prompt")) throw BadRequest{"prompt is required", "prompt"};
       const json& p = body["prompt"];
@@ -211,12 +232,23 @@ void OpenAiApi::completions(const HttpRequest& request, HttpResponder& out, bool
     }
     try {
       job = scheduler_.submit(std::move(r));
+    } catch (const Unavailable& e) {
+      return send_json(out, 503, error_body(e.what(), "server_error", ""));
     } catch (const Error& e) {
       throw BadRequest{e.what(), chat ? "messages" : "prompt"};
     }
   } catch (const BadRequest& bad) {
     return send_json(out, 400, error_body(bad.message, "invalid_request_error", bad.param));
+  } catch (const json::exception& e) {  // a field of the wrong type deep inside
+    return send_json(out, 400,
+                     error_body(std::string("a field has the wrong type: ") + e.what(),
+                                "invalid_request_error", ""));
   }
+  // However the handler ends (the client gone, an exception), the sequence stops with it.
+  struct CancelOnExit {
+    Job& job;
+    ~CancelOnExit() { job.cancel(); }
+  } cancel_on_exit{*job};
 
   const std::string id = next_id(chat ? "chatcmpl" : "cmpl");
   const int64_t created = int64_t(std::time(nullptr));
@@ -236,8 +268,16 @@ void OpenAiApi::completions(const HttpRequest& request, HttpResponder& out, bool
   if (!stream) {
     std::string text;
     Job::Event e;
+    auto checked = std::chrono::steady_clock::now();
     do {
-      e = job->next();
+      // every 200 ms: has the client gone? Then nobody waits for the answer: stop generating it
+      if (std::chrono::steady_clock::now() - checked > std::chrono::milliseconds(200)) {
+        if (out.peer_closed()) return;
+        checked = std::chrono::steady_clock::now();
+      }
+      std::optional<Job::Event> got = job->next_for(200);
+      if (!got) continue;
+      e = std::move(*got);
       text += e.text;
     } while (!e.last);
     if (!e.error.empty()) return send_json(out, 500, error_body(e.error, "server_error", ""));
@@ -267,14 +307,19 @@ void OpenAiApi::completions(const HttpRequest& request, HttpResponder& out, bool
               {"created", created},
               {"model", model_name_},
               {"choices", json::array({choice})}};
-    return "data: " + c.dump() + "\n\n";
+    return "data: " + dump(c) + "\n\n";
   };
   bool alive = out.begin_stream(200, "text/event-stream");
   if (chat && alive) alive = out.write(chunk({{"role", "assistant"}, {"content", ""}}, nullptr));
   while (alive) {
-    const Job::Event e = job->next();
+    std::optional<Job::Event> got = job->next_for(200);
+    if (!got) {
+      alive = !out.peer_closed();  // a long prefill: notice a client that left meanwhile
+      continue;
+    }
+    const Job::Event& e = *got;
     if (!e.error.empty()) {
-      out.write("data: " + error_body(e.error, "server_error", "").dump() + "\n\n");
+      out.write("data: " + dump(error_body(e.error, "server_error", "")) + "\n\n");
       break;
     }
     if (!e.text.empty() || e.last) {
@@ -290,13 +335,12 @@ void OpenAiApi::completions(const HttpRequest& request, HttpResponder& out, bool
                   {"model", model_name_},
                   {"choices", json::array()},
                   {"usage", usage(e)}};
-        out.write("data: " + c.dump() + "\n\n");
+        out.write("data: " + dump(c) + "\n\n");
       }
       out.write("data: [DONE]\n\n");
       break;
     }
   }
-  if (!alive) job->cancel();  // the client left: free the sequence's slot
   out.end();
 }
 

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "server/http_server.h"
 #include "server/scheduler.h"
@@ -22,6 +23,7 @@ class OpenAiApi {
  private:
   void completions(const HttpRequest& request, HttpResponder& out, bool chat);
   std::string next_id(const char* prefix);
+  std::vector<int32_t> encode_chat(const std::vector<tokenizer::ChatMessage>& messages) const;
 
   Scheduler& scheduler_;
   const tokenizer::Tokenizer& tok_;

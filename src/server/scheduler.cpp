@@ -1,5 +1,6 @@
 #include "server/scheduler.h"
 
+#include <chrono>
 #include <exception>
 
 #include "core/error.h"
@@ -19,6 +20,15 @@ Job::Event error_event(std::string message) {
 Job::Event Job::next() {
   std::unique_lock<std::mutex> lock(mutex_);
   ready_.wait(lock, [&] { return !events_.empty(); });
+  Event e = std::move(events_.front());
+  events_.pop_front();
+  return e;
+}
+
+std::optional<Job::Event> Job::next_for(int64_t ms) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (!ready_.wait_for(lock, std::chrono::milliseconds(ms), [&] { return !events_.empty(); }))
+    return std::nullopt;
   Event e = std::move(events_.front());
   events_.pop_front();
   return e;
@@ -46,6 +56,8 @@ Scheduler::Scheduler(const model::CausalLM& lm, const tokenizer::Tokenizer& tok,
                      SchedulerOptions options)
     : lm_(lm), tok_(tok), options_(options), prefix_cache_(options.prefix_cache) {
   require(options_.max_active >= 1, "the scheduler needs at least one active sequence");
+  require(options_.max_waiting >= 0, "the scheduler's queue bound must be >= 0");
+  context_limit_ = Generation::context_limit(lm, options_.context);  // a bad --ctx fails here
   worker_ = std::thread([this] { run(); });
 }
 
@@ -62,22 +74,23 @@ void Scheduler::shutdown() {
   if (worker_.joinable()) worker_.join();
   std::lock_guard<std::mutex> lock(mutex_);
   for (Entry& e : waiting_) e.job->push(error_event("the server is shutting down"));
+  in_flight_ -= int64_t(waiting_.size());
   waiting_.clear();
 }
 
 std::shared_ptr<Job> Scheduler::submit(GenerationRequest request) {
-  // made here, on the caller's thread, so that a bad request fails before it is queued
-  std::unique_ptr<Generation> generation;
-  {
-    std::lock_guard<std::mutex> model_lock(model_mutex_);
-    generation = std::make_unique<Generation>(lm_, tok_, std::move(request), options_.context,
-                                              &prefix_cache_);
-  }
+  // checked here, on the caller's thread, so that a bad request fails before it is queued
+  auto generation = std::make_unique<Generation>(lm_, tok_, std::move(request), options_.context,
+                                                 context_limit_, &prefix_cache_);
   auto job = std::make_shared<Job>();
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    require(!stopping_, "the server is shutting down");
+    if (stopping_) throw Unavailable("the server is shutting down");
+    if (in_flight_ >= options_.max_active + options_.max_waiting)
+      throw Unavailable("too many requests (" + std::to_string(in_flight_) +
+                        " generating or waiting); try again later");
     waiting_.push_back({job, std::move(generation)});
+    ++in_flight_;
   }
   wake_.notify_one();
   return job;
@@ -99,6 +112,7 @@ void Scheduler::run() {
     for (size_t i = 0; i < active.size();) {
       Entry& e = active[i];
       bool finished = e.job->cancelled();
+      if (finished) ++cancelled_;
       try {
         if (!finished) {
           std::string text;
@@ -127,12 +141,14 @@ void Scheduler::run() {
       }
       if (finished) {
         active.erase(active.begin() + std::ptrdiff_t(i));
+        --in_flight_;
       } else {
         ++i;
       }
     }
   }
   for (Entry& e : active) e.job->push(error_event("the server is shutting down"));
+  in_flight_ -= int64_t(active.size());
 }
 
 }  // namespace kda::server

@@ -4,15 +4,18 @@
 // sequence has its own session (fixed KDA states, growing MLA cache); the weights are shared.
 // Requests take turns on the model: they are not yet batched into one matrix product.
 #pragma once
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "core/error.h"
 #include "model/causal_lm.h"
 #include "server/generation.h"
 #include "tokenizer/tokenizer.h"
@@ -31,6 +34,8 @@ class Job {
   };
   // Blocks until the next event.
   Event next();
+  // The next event, or nothing when none came within `ms` milliseconds.
+  std::optional<Event> next_for(int64_t ms);
   // The client went away: the scheduler drops the sequence at its next turn.
   void cancel();
   bool cancelled() const;
@@ -44,10 +49,16 @@ class Job {
   bool cancelled_ = false;
 };
 
+// submit()'s refusal when the queue is full or the scheduler is stopping: the server's 503.
+struct Unavailable : Error {
+  using Error::Error;
+};
+
 struct SchedulerOptions {
   int64_t max_active = 4;     // sequences generating at once; more wait in the queue
   int64_t context = 0;        // per-sequence context limit (0: the model's)
   int64_t prefix_cache = 16;  // snapshots kept for prompts that start alike (0: none)
+  int64_t max_waiting = 64;   // requests queued beyond max_active; more get Unavailable
 };
 
 class Scheduler {
@@ -57,12 +68,17 @@ class Scheduler {
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;
 
-  // Checks the request (throws kda::Error: empty or too long a prompt, bad settings) and queues
-  // it; the caller reads the job's events.
+  // Checks the request (throws kda::Error: empty or too long a prompt, bad settings; Unavailable
+  // when the queue is full or the scheduler stopping) and queues it; the caller reads the job's
+  // events. The sequence's memory is allocated only once it is admitted.
   std::shared_ptr<Job> submit(GenerationRequest request);
   // Stops the worker: queued and running jobs end with an error event, later submits throw.
   void shutdown();
   const SchedulerOptions& options() const { return options_; }
+  // Requests queued or generating (for tests and monitoring).
+  int64_t in_flight() const { return in_flight_; }
+  // Sequences dropped because their client went away.
+  int64_t cancelled() const { return cancelled_; }
 
  private:
   struct Entry {
@@ -74,12 +90,14 @@ class Scheduler {
   const model::CausalLM& lm_;
   const tokenizer::Tokenizer& tok_;
   SchedulerOptions options_;
-  std::mutex mutex_;        // the queue and stopping_
-  std::mutex model_mutex_;  // one thread on the model (and the prefix cache) at a time
+  int64_t context_limit_ = 0;  // what a session made with options_.context holds
+  std::mutex mutex_;           // the queue and stopping_
+  std::mutex model_mutex_;     // one thread on the model (and the prefix cache) at a time
   PrefixCache prefix_cache_;
   std::condition_variable wake_;
   std::deque<Entry> waiting_;
   bool stopping_ = false;
+  std::atomic<int64_t> in_flight_{0}, cancelled_{0};
   std::thread worker_;
 };
 
