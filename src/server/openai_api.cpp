@@ -243,6 +243,8 @@ void OpenAiApi::completions(const HttpRequest& request, HttpResponder& out, bool
     return send_json(out, 400,
                      error_body(std::string("a field has the wrong type: ") + e.what(),
                                 "invalid_request_error", ""));
+  } catch (const Error& e) {  // the tokenizer refusing the text
+    return send_json(out, 400, error_body(e.what(), "invalid_request_error", ""));
   }
   // However the handler ends (the client gone, an exception), the sequence stops with it.
   struct CancelOnExit {
