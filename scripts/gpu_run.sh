@@ -337,5 +337,5 @@ fi
 left=$((570 - ($(date +%s) - script_start)))
 [ "$left" -lt 60 ] && left=60
 PYTHONUNBUFFERED=1 timeout -k 15 "$left" python3 bench/gpu/fla_bench.py --ours "$log_dir/ours.tsv" \
-  --out "$log_dir/table.md" 2>&1 | grep -v "Warning\|warn(" | tail -40
+  --out "$log_dir/table.md" --budget $((left > 90 ? left - 60 : 30)) 2>&1 | grep -v "Warning\|warn(" | tail -40
 exit "$status"

@@ -3,7 +3,11 @@
 side-by-side table (shape, ours ms, fla ms, ratio, % of floor).
 
     python3 bench/gpu/fla_bench.py --ours kda_gpu_bench.tsv [--out table.md] [--only-kda]
+                                   [--budget SECONDS]
 
+--budget: no new op is timed after this many seconds (the table is printed with what was
+measured; fla's rows come in order of the issue's targets: forward, layer fwd+bwd, decode, then
+the plain fwd+bwd pairs, whose first call autotunes for minutes).
 --only-kda: the KDA chunked rows alone (no GDN, no decode; kda_gpu_check's KDA_BENCH_ONLY=kda).
 --flashkda: also time Moonshot's FlashKDA forward (`import flash_kda`, built beside the
 checkout; not part of this repository) on the KDA layer's inputs, as a second table against our
@@ -24,6 +28,7 @@ through autograd, gradients to q, k, v, g, beta, A_log and dt_bias (fp32 leaves)
 import argparse
 import signal
 import sys
+import time
 
 H, K, V = 32, 128, 128
 CHUNK_SHAPES = [(8, 2048), (2, 8192), (1, 65536)]
@@ -50,6 +55,9 @@ def _on_term(signum, frame):  # `timeout` sends SIGTERM: keep what was measured 
     raise OutOfTime()
 
 
+DEADLINE = [float("inf")]  # time.time() past which no new op is timed (--budget)
+
+
 def time_fla(results, only_kda=False):
     import torch
     import torch.nn.functional as F
@@ -63,6 +71,10 @@ def time_fla(results, only_kda=False):
     dev, bf = "cuda", torch.bfloat16
 
     def bench(fn, grad_to_none=None, warmup=50, rep=300):
+        # past the budget: stop here and print what was measured (a first call of an op can
+        # spend minutes in Triton's autotuning, which no signal interrupts cleanly)
+        if time.time() > DEADLINE[0]:
+            raise OutOfTime()
         try:
             return triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none,
                                            return_mode="median")
@@ -158,13 +170,13 @@ def time_fla(results, only_kda=False):
             del q, k, v, beta, g
             torch.cuda.empty_cache()
 
-    # forward + backward through autograd: KDA first (the target; with the layer's options,
-    # then plain), GDN after decode
+    # forward + backward through autograd with the KDA layer's options (the target), then
+    # decode, then the plain KDA and GDN pairs (fla's plain KDA backward autotunes for minutes)
     for B, T in CHUNK_SHAPES:
         fwd_bwd_layer(B, T)
-    for B, T in CHUNK_SHAPES:
-        fwd_bwd("kda", B, T)
     if only_kda:
+        for B, T in CHUNK_SHAPES:
+            fwd_bwd("kda", B, T)
         return results
 
     with torch.inference_mode():
@@ -194,6 +206,8 @@ def time_fla(results, only_kda=False):
                     output_final_state=True))
             print(f"fla decode B={B}: kda {fmt(results[('decode_kda', f'B{B}')], 1e3)} us, "
                   f"gdn {fmt(results[('decode_gdn', f'B{B}')], 1e3)} us", flush=True)
+    for B, T in CHUNK_SHAPES:
+        fwd_bwd("kda", B, T)
     for B, T in CHUNK_SHAPES:
         fwd_bwd("gdn", B, T)
     return results
@@ -239,7 +253,11 @@ def main():
     ap.add_argument("--only-kda", action="store_true")
     ap.add_argument("--flashkda", action="store_true")
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--budget", type=float, default=0,
+                    help="seconds after which no new op is timed (0: no limit)")
     args = ap.parse_args()
+    if args.budget > 0:
+        DEADLINE[0] = time.time() + args.budget
     ours, ceilings = read_ours(args.ours)
     signal.signal(signal.SIGTERM, _on_term)
     flk = {}
