@@ -3,7 +3,7 @@
 // again (a shared system prompt, or the earlier turns of a chat, which the client sends again
 // with every turn). For the KDA layers a snapshot is their fixed state, whatever the length; the
 // MLA / softmax layers' caches are copied row by row. Least recently used entries go first.
-// Not thread-safe: the scheduler calls it with the model's lock held.
+// Not thread-safe: only the scheduler's worker thread uses it.
 #pragma once
 #include <cstdint>
 #include <memory>

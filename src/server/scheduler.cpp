@@ -115,11 +115,7 @@ void Scheduler::run() {
       if (finished) ++cancelled_;
       try {
         if (!finished) {
-          std::string text;
-          {
-            std::lock_guard<std::mutex> model_lock(model_mutex_);
-            text = e.generation->step();
-          }
+          std::string text = e.generation->step();
           const bool last = e.generation->done();
           if (!text.empty() || last) {
             Job::Event ev;

@@ -92,8 +92,7 @@ class Scheduler {
   SchedulerOptions options_;
   int64_t context_limit_ = 0;  // what a session made with options_.context holds
   std::mutex mutex_;           // the queue and stopping_
-  std::mutex model_mutex_;     // one thread on the model (and the prefix cache) at a time
-  PrefixCache prefix_cache_;
+  PrefixCache prefix_cache_;   // the worker's alone, as the model is
   std::condition_variable wake_;
   std::deque<Entry> waiting_;
   bool stopping_ = false;
