@@ -265,6 +265,66 @@ TEST(ServerScheduler, InterleavedRequestsEqualOneAtATime) {
   EXPECT_THROW(scheduler.submit(greedy("The", 3)), Error);
 }
 
+// The model with its decode_batch calls counted by size.
+class BatchCounter final : public model::CausalLM {
+ public:
+  explicit BatchCounter(const model::CausalLM& inner) : inner_(inner) {}
+  const model::ArchitectureInfo& info() const override { return inner_.info(); }
+  int64_t vocab_size() const override { return inner_.vocab_size(); }
+  int64_t weight_bytes() const override { return inner_.weight_bytes(); }
+  Tensor forward(std::span<const int32_t> ids) const override { return inner_.forward(ids); }
+  std::unique_ptr<model::Session> start_session(int64_t max_context) const override {
+    return inner_.start_session(max_context);
+  }
+  Tensor decode_batch(std::span<model::Session* const> sessions,
+                      std::span<const int32_t> ids) const override {
+    const size_t n = sessions.size();
+    if (sizes.size() <= n) sizes.resize(n + 1, 0);
+    ++sizes[n];
+    return inner_.decode_batch(sessions, ids);
+  }
+  mutable std::vector<int64_t> sizes;  // sizes[n]: calls with n sequences (the worker's alone)
+
+ private:
+  const model::CausalLM& inner_;
+};
+
+// Sequences decoding at the same time share one model call a round, and still get the answers
+// they get alone (the batched step's sums differ only in rounding).
+TEST(ServerScheduler, DecodeStepsAreBatched) {
+  const std::vector<std::string> prompts = {"The jury said", "It was", "In the morning",
+                                            "Several members said that"};
+  std::vector<std::string> alone;
+  for (const std::string& p : prompts) {
+    Generation g(*loaded().lm, *loaded().tok, greedy(p, 10), 0, limit(0));
+    alone.push_back(run_all(g));
+  }
+  BatchCounter counter(*loaded().lm);
+  std::vector<std::string> texts(prompts.size());
+  {
+    Scheduler scheduler(counter, *loaded().tok, {.max_active = 4, .context = 0});
+    std::vector<std::shared_ptr<Job>> jobs;
+    for (const std::string& p : prompts) jobs.push_back(scheduler.submit(greedy(p, 10)));
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      Job::Event e;
+      do {
+        e = jobs[i]->next();
+        texts[i] += e.text;
+      } while (!e.last);
+      EXPECT_TRUE(e.error.empty()) << e.error;
+    }
+  }  // the worker has stopped: sizes is ours to read
+  for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(texts[i], alone[i]) << prompts[i];
+  int64_t steps = 0, batched = 0;
+  for (size_t n = 1; n < counter.sizes.size(); ++n) {
+    steps += int64_t(n) * counter.sizes[n];
+    if (n >= 2) batched += int64_t(n) * counter.sizes[n];
+  }
+  // 4 x 10 tokens, the last of each sampled but not fed: 36 decode steps, most of them batched
+  EXPECT_EQ(steps, 36);
+  EXPECT_GE(batched, 24) << "decode steps fed in batches of two or more";
+}
+
 // --- HTTP, over a socket ---
 
 struct Reply {

@@ -42,13 +42,15 @@ void print_usage() {
       "usage: kda bench decode [--layers 12] [--hidden 1024] [--vocab 32000] [--kda-heads 8]\n"
       "                        [--head-dim 128] [--mla-heads 8] [--kv-lora 512] [--experts 32]\n"
       "                        [--top-k 4] [--moe-intermediate 256] [--prompt 128] [--decode 64]\n"
-      "                        [--prefill 512] [--reps 3] [--bandwidth-mib 1024] [--bf16]\n"
-      "                        [--tiny] [--dir DIR] [--out DIR]\n"
+      "                        [--prefill 512] [--batch 4,16] [--reps 3] [--bandwidth-mib 1024]\n"
+      "                        [--bf16] [--tiny] [--dir DIR] [--out DIR]\n"
       "\n"
       "Measures the memory bandwidth (streaming reads on 1 and all threads, a copy), then a\n"
       "synthetic-weight Kimi Linear (layers in a 3:1 KDA:MLA pattern, a dense first layer, MoE\n"
       "with a shared expert elsewhere): decode tokens/s after a prompt, against the bandwidth\n"
-      "floor (bytes read per decoded token / read bandwidth), and prefill tokens/s.\n"
+      "floor (bytes read per decoded token / read bandwidth), the same for decode steps of\n"
+      "several sequences at once (CausalLM::decode_batch, one row per --batch size: the\n"
+      "weights read once per step for all of them), and prefill tokens/s.\n"
       "The weights go to DIR (kept, and reused when its config.json matches; default: a\n"
       "temporary folder in /dev/shm, removed once loaded); --bf16 stores them as bf16 (the\n"
       "engine still holds fp32). --tiny: a seconds-long smoke configuration.\n"
@@ -60,6 +62,7 @@ struct Options {
   int64_t mla_heads = 8, kv_lora = 512, nope = 128, rope = 64, v_dim = 128;
   int64_t experts = 32, top_k = 4, moe_intermediate = 256, shared = 1, dense_intermediate = 2816;
   int64_t prompt = 128, decode = 64, prefill = 512, bandwidth_mib = 1024;
+  std::vector<int64_t> batches = {4, 16};
   int reps = 3;
   bool bf16 = false;
   std::string dir, out_dir = "out/bench";
@@ -85,6 +88,7 @@ Options tiny_options() {
   o.decode = 8;
   o.prefill = 32;
   o.bandwidth_mib = 16;
+  o.batches = {3};
   o.reps = 1;
   return o;
 }
@@ -294,36 +298,41 @@ void write_model(const Options& o, const std::string& dir) {
 // Bytes one decode step reads (and, for the KDA states, writes) at `context` cached tokens: the
 // weights a token touches as the engine holds them (fp32), every KDA layer's recurrent and conv
 // state read and written, every MLA layer's latent rows read. Activations are left out (they
-// stay in cache).
+// stay in cache). For a step of `batch` sequences: the weights once, each sequence's states and
+// cache, and the routed experts any of them picks (E (1 - (1 - k / E)^batch) expected, the
+// synthetic router being close to uniform).
 struct DecodeBytes {
   double weights = 0, state = 0, cache = 0;
   double total() const { return weights + state + cache; }
 };
 
-DecodeBytes decode_bytes(const model::KimiLinearConfig& c, int64_t context) {
+DecodeBytes decode_bytes(const model::KimiLinearConfig& c, int64_t context, int64_t batch = 1) {
   constexpr double f = sizeof(float);
   const double D = double(c.hidden_size), H = double(c.kda_heads), K = double(c.kda_head_dim);
   const double HK = H * K, W = double(c.conv_kernel);
   DecodeBytes b;
-  double params = D + D * double(c.vocab_size) + D;  // embedding row, lm_head, final norm
+  const double N = double(batch);
+  double params = N * D + D * double(c.vocab_size) + D;  // embedding rows, lm_head, final norm
   for (int64_t i = 0; i < c.num_layers; ++i) {
     params += 2 * D;  // the two norms
     if (c.mixers[i] == model::KimiMixer::kda) {
       params += (3 * HK + 2 * K + H) * D + 3 * HK * W + 2 * HK * K + H + HK + K + D * HK;
-      b.state += 2 * f * (H * K * K + 3 * (W - 1) * HK);
+      b.state += N * 2 * f * (H * K * K + 3 * (W - 1) * HK);
     } else {
       const double Hm = double(c.mla_heads), L = double(c.kv_lora_rank);
       const double qk = double(c.mla_qk_dim()), row = double(c.mla_row_width());
       params += c.q_lora_rank > 0 ? double(c.q_lora_rank) * (D + 1 + Hm * qk) : Hm * qk * D;
       params += row * D + L + Hm * double(c.qk_nope_head_dim + c.v_head_dim) * L +
                 D * Hm * double(c.v_head_dim);
-      b.cache += f * row * double(context);
+      b.cache += N * f * row * double(context);
     }
     if (c.ffns[i] == model::KimiFfn::dense) {
       params += 3 * D * double(c.dense_intermediate);
     } else {
       const double I = double(c.moe_intermediate), E = double(c.num_experts);
-      params += E * D + E + 3 * D * I * double(c.top_k + c.num_shared_experts);
+      const double k = double(c.top_k);
+      const double routed = batch == 1 ? k : E * (1 - std::pow(1 - k / E, N));
+      params += E * D + E + 3 * D * I * (routed + double(c.num_shared_experts));
     }
   }
   b.weights = f * params;
@@ -364,6 +373,8 @@ Options parse_options(const Args& args, bool& help) {
         {"--prefill", &o.prefill},   {"--bandwidth-mib", &o.bandwidth_mib}};
     if (const auto it = ints.find(a); it != ints.end()) {
       *it->second = parse_int(value, a);
+    } else if (a == "--batch") {
+      o.batches = parse_int_list(value, a);
     } else if (a == "--reps") {
       o.reps = int(parse_int(value, a));
     } else if (a == "--dir") {
@@ -380,6 +391,8 @@ Options parse_options(const Args& args, bool& help) {
   require(o.top_k >= 1 && o.top_k <= o.experts, "bench decode: --top-k must lie in [1, experts]");
   require(o.prompt >= 1 && o.decode >= 1 && o.prefill >= 1 && o.reps >= 1 && o.bandwidth_mib >= 1,
           "bench decode: --prompt, --decode, --prefill, --reps and --bandwidth-mib must be >= 1");
+  for (const int64_t n : o.batches)
+    require(n >= 1 && n <= 1024, "bench decode: --batch sizes must lie in [1, 1024]");
   return o;
 }
 
@@ -494,6 +507,37 @@ int cmd_bench_decode(const Args& args) {
     }
     if (r >= 0) decode_s = std::min(decode_s, decode_clock.seconds());
   }
+  // Decode steps of N sequences at once: N prompts (a different one each) prefilled, then
+  // o.decode steps of decode_batch, each sequence fed its own argmax.
+  struct BatchTiming {
+    int64_t n;
+    double step_s;
+  };
+  std::vector<BatchTiming> batch_timings;
+  for (const int64_t n : o.batches) {
+    double best = 1e30;
+    for (int r = -1; r < o.reps; ++r) {
+      std::vector<std::unique_ptr<model::Session>> sessions;
+      std::vector<model::Session*> batch;
+      std::vector<int32_t> next(static_cast<size_t>(n), 0);
+      for (int64_t i = 0; i < n; ++i) {
+        sessions.push_back(lm->start_session(o.prompt + o.decode));
+        const Tensor logits = sessions.back()->feed_last(ids_of(o.prompt, 7 + 13 * uint64_t(i)));
+        next[size_t(i)] = int32_t(std::max_element(logits.f32(), logits.f32() + V) - logits.f32());
+        batch.push_back(sessions.back().get());
+      }
+      Stopwatch clock;
+      for (int64_t t = 0; t < o.decode; ++t) {
+        const Tensor logits = lm->decode_batch(batch, next);
+        for (int64_t i = 0; i < n; ++i) {
+          const float* row = logits.f32() + i * V;
+          next[size_t(i)] = int32_t(std::max_element(row, row + V) - row);
+        }
+      }
+      if (r >= 0) best = std::min(best, clock.seconds() / double(o.decode));
+    }
+    batch_timings.push_back({n, best});
+  }
   // Prefill alone, at its own length.
   const std::vector<int32_t> long_prompt = ids_of(o.prefill, 11);
   const double prefill_s = best_seconds(o.reps, [&] {
@@ -524,6 +568,14 @@ int cmd_bench_decode(const Args& args) {
   table.add({"decode (feed_last, 1 token)", std::to_string(o.decode), fmt(per_token_s * 1e3, 2),
              fmt(1.0 / per_token_s, 1), fmt(bytes.total() / per_token_s / 1e9, 1),
              fmt(100.0 * floor_s / per_token_s, 1)});
+  for (const BatchTiming& b : batch_timings) {
+    const double step_bytes = decode_bytes(config, o.prompt + o.decode / 2, b.n).total();
+    const double step_floor_s = step_bytes / (read_best * 1e9);
+    table.add({"decode " + std::to_string(b.n) + " sequences a step (decode_batch)",
+               std::to_string(b.n * o.decode), fmt(b.step_s / double(b.n) * 1e3, 2),
+               fmt(double(b.n) / b.step_s, 1), fmt(step_bytes / b.step_s / 1e9, 1),
+               fmt(100.0 * step_floor_s / b.step_s, 1)});
+  }
   table.add({"prompt (prefill)", std::to_string(o.prompt),
              fmt(prompt_s / double(o.prompt) * 1e3, 3), fmt(double(o.prompt) / prompt_s, 1), "-",
              "-"});
@@ -535,7 +587,9 @@ int cmd_bench_decode(const Args& args) {
       "a %lld-token prompt (argmax feedback). %% of floor = floor time / measured time; GB/s of\n"
       "decode = bytes per token x tokens/s. Reading one token's bytes over and over shows what "
       "the\n"
-      "last-level cache adds when the working set is near its size.\n",
+      "last-level cache adds when the working set is near its size. Batched rows: ms/token and\n"
+      "tokens/s over all N sequences; their floor reads the weights once per step (the routed\n"
+      "experts any sequence picks) plus every sequence's states and cache.\n",
       o.reps, (long long)o.decode, (long long)o.prompt);
   table.write(o.out_dir, "decode");
   std::printf("wrote %s/decode.md and %s/decode.csv\n", o.out_dir.c_str(), o.out_dir.c_str());

@@ -73,7 +73,19 @@ class CausalLM {
   virtual Tensor forward(std::span<const int32_t> ids) const = 0;
   // max_context bounds the growing caches (0: the config's maximum).
   virtual std::unique_ptr<Session> start_session(int64_t max_context = 0) const = 0;
+  // One decode step of several sequences at once: feeds ids[n] to sessions[n] (distinct
+  // sessions of this model) and returns each one's next-token logits, [N, vocab]; row n is what
+  // sessions[n]->feed_last(ids[n]) returns, up to float rounding. Models override it to read
+  // their weights once for all N rows (a GEMM instead of N GEMVs); this default feeds each in
+  // turn. Nothing is fed when a check fails (an id outside the vocabulary, a full context).
+  virtual Tensor decode_batch(std::span<Session* const> sessions,
+                              std::span<const int32_t> ids) const;
 };
+
+// decode_batch's checks (for the models' overrides): one id per session, ids in the vocabulary,
+// distinct sessions, each with room for one more token; throws kda::Error.
+void check_decode_batch(const CausalLM& lm, std::span<Session* const> sessions,
+                        std::span<const int32_t> ids);
 
 // Dispatch on config["model_type"]; throws kda::Error for an unknown type.
 ArchitectureInfo describe_config(const nlohmann::json& config);

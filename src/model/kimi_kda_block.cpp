@@ -112,65 +112,115 @@ KdaState new_kda_state(const KimiLinearConfig& c) {
   return s;
 }
 
+namespace {
+
+// The rows' projections: [rows, 3 HK + 2 K + H] = q | k | v | f_a | g_a | b, then the low-rank
+// forget gate graw and output gate [rows, HK] read straight from the stacked projection.
+struct KdaProjections {
+  float *proj, *graw, *gate;
+  int64_t width;
+};
+
+KdaProjections kda_project(const KimiLinearConfig& c, const KdaWeights& w, const float* x,
+                           int64_t rows, Scratch& s) {
+  const int64_t D = c.hidden_size, H = c.kda_heads, K = c.kda_head_dim, HK = c.kda_width();
+  KdaProjections p;
+  p.width = 3 * HK + 2 * K + H;
+  p.proj = grow(s.proj, rows * p.width);
+  ops::linear(x, rows, D, w.in_proj.f32(), p.width, nullptr, p.proj);
+  p.graw = grow(s.graw, rows * HK);
+  p.gate = grow(s.gate, rows * HK);
+  if (rows == 1) {  // decode: matrix-vector products (no GEMM packing, no thread team)
+    ops::linear(p.proj + 3 * HK, 1, K, w.f_b.f32(), HK, nullptr, p.graw);
+    ops::linear(p.proj + 3 * HK + K, 1, K, w.g_b.f32(), HK, nullptr, p.gate);
+  } else {
+    gemm_nt(int(rows), int(HK), int(K), 1.0f, p.proj + 3 * HK, int(p.width), w.f_b.f32(), int(K),
+            0.0f, p.graw, int(HK));
+    gemm_nt(int(rows), int(HK), int(K), 1.0f, p.proj + 3 * HK + K, int(p.width), w.g_b.f32(),
+            int(K), 0.0f, p.gate, int(HK));
+  }
+  return p;
+}
+
+// RMSNorm_K(o) * o_norm * sigmoid(gate), then o_proj: y [rows, D].
+void kda_output(const KimiLinearConfig& c, const KdaWeights& w, float* o, const float* gate,
+                int64_t rows, float* y) {
+  const int64_t H = c.kda_heads, K = c.kda_head_dim;
+  ops::gated_rms_norm_sigmoid(o, gate, rows * H, K, w.o_norm.f32(), float(c.rms_norm_eps), o);
+  ops::linear(o, rows, H * K, w.o_proj.f32(), c.hidden_size, nullptr, y);
+}
+
+}  // namespace
+
+void kda_decode_batch(const KimiLinearConfig& c, const KdaWeights& w, const float* x, int64_t N,
+                      std::span<KdaState* const> states, float* y, Scratch& s) {
+  const int64_t H = c.kda_heads, K = c.kda_head_dim, HK = c.kda_width(), W = c.conv_kernel;
+  require(N >= 1 && int64_t(states.size()) == N, "kda_decode_batch: one state per row");
+  const KdaProjections p = kda_project(c, w, x, N, s);
+  float* qkv[3] = {grow(s.q, N * HK), grow(s.k, N * HK), grow(s.v, N * HK)};
+  for (int64_t n = 0; n < N; ++n) {
+    for (int part = 0; part < 3; ++part) {
+      ops::short_conv_silu_decode_step(
+          p.proj + n * p.width + part * HK, HK, w.conv.f32() + part * HK * W, W,
+          states[n]->conv.data() + part * (W - 1) * HK, qkv[part] + n * HK);
+    }
+  }
+  ops::l2_normalize_rows(qkv[0], N * H, K, kQkL2NormEps, qkv[0]);
+  ops::l2_normalize_rows(qkv[1], N * H, K, kQkL2NormEps, qkv[1]);
+  float* braw = grow(s.braw, N * H);
+  for (int64_t n = 0; n < N; ++n)
+    std::copy_n(p.proj + n * p.width + 3 * HK + 2 * K, H, braw + n * H);
+  float* o = grow(s.attn, N * HK);
+  const ops::DeltaRuleShape shape = kda_delta_shape(c, 1);
+  const ops::KdaOptions options = kda_options(c);
+  for (int64_t n = 0; n < N; ++n) {
+    ops::kda_decode_step(shape, options, qkv[0] + n * HK, qkv[1] + n * HK, qkv[2] + n * HK,
+                         p.graw + n * HK, braw + n * H, w.A_log.f32(), w.dt_bias.f32(),
+                         states[n]->recurrent.data(), o + n * HK);
+  }
+  kda_output(c, w, o, p.gate, N, y);
+}
+
 void kda_forward(const KimiLinearConfig& c, const KdaWeights& w, const float* x, int64_t T,
                  KdaState& state, float* y, Scratch& s) {
-  const int64_t D = c.hidden_size, H = c.kda_heads, K = c.kda_head_dim, HK = c.kda_width();
-  const int64_t W = c.conv_kernel, width = 3 * HK + 2 * K + H;
-  float* proj = grow(s.proj, T * width);
-  ops::linear(x, T, D, w.in_proj.f32(), width, nullptr, proj);
-
+  if (T == 1) {
+    KdaState* one[1] = {&state};
+    return kda_decode_batch(c, w, x, 1, one, y, s);
+  }
+  const int64_t H = c.kda_heads, K = c.kda_head_dim, HK = c.kda_width(), W = c.conv_kernel;
+  const KdaProjections p = kda_project(c, w, x, T, s);
+  const int64_t width = p.width;
+  const float* proj = p.proj;
   // Short conv + SiLU of q, k, v, each against its own window of past inputs.
   float* qkv[3] = {grow(s.q, T * HK), grow(s.k, T * HK), grow(s.v, T * HK)};
   for (int part = 0; part < 3; ++part) {
     const float* weight = w.conv.f32() + part * HK * W;
     float* window = state.conv.data() + part * (W - 1) * HK;
-    if (T == 1) {
-      ops::short_conv_silu_decode_step(proj + part * HK, HK, weight, W, window, qkv[part]);
-    } else {
-      ops::short_conv_silu_forward(proj + part * HK, T, HK, width, weight, W, window, qkv[part]);
-    }
+    ops::short_conv_silu_forward(proj + part * HK, T, HK, width, weight, W, window, qkv[part]);
   }
   ops::l2_normalize_rows(qkv[0], T * H, K, kQkL2NormEps, qkv[0]);
   ops::l2_normalize_rows(qkv[1], T * H, K, kQkL2NormEps, qkv[1]);
-  // Low-rank forget gate and output gate, read straight from the stacked projection.
-  float* graw = grow(s.graw, T * HK);
-  float* gate = grow(s.gate, T * HK);
-  if (T == 1) {  // decode: matrix-vector products (no GEMM packing, no thread team)
-    ops::linear(proj + 3 * HK, 1, K, w.f_b.f32(), HK, nullptr, graw);
-    ops::linear(proj + 3 * HK + K, 1, K, w.g_b.f32(), HK, nullptr, gate);
-  } else {
-    gemm_nt(int(T), int(HK), int(K), 1.0f, proj + 3 * HK, int(width), w.f_b.f32(), int(K), 0.0f,
-            graw, int(HK));
-    gemm_nt(int(T), int(HK), int(K), 1.0f, proj + 3 * HK + K, int(width), w.g_b.f32(), int(K), 0.0f,
-            gate, int(HK));
-  }
   float* braw = grow(s.braw, T * H);
   for (int64_t t = 0; t < T; ++t) std::copy_n(proj + t * width + 3 * HK + 2 * K, H, braw + t * H);
 
   float* o = grow(s.attn, T * HK);
   const ops::DeltaRuleShape shape = kda_delta_shape(c, T);
   const ops::KdaOptions options = kda_options(c);
-  if (T == 1) {
-    ops::kda_decode_step(shape, options, qkv[0], qkv[1], qkv[2], graw, braw, w.A_log.f32(),
-                         w.dt_bias.f32(), state.recurrent.data(), o);
-  } else {
-    float* final_state = grow(s.state, int64_t(state.recurrent.size()));
-    ops::KdaInputs<float> in;
-    in.shape = shape;
-    in.options = options;
-    in.q = qkv[0];
-    in.k = qkv[1];
-    in.v = qkv[2];
-    in.graw = graw;
-    in.braw = braw;
-    in.A_log = w.A_log.f32();
-    in.dt_bias = w.dt_bias.f32();
-    in.h0 = state.recurrent.data();
-    ops::kda_chunk_forward(in, o, final_state);
-    std::copy_n(final_state, state.recurrent.size(), state.recurrent.data());
-  }
-  ops::gated_rms_norm_sigmoid(o, gate, T * H, K, w.o_norm.f32(), float(c.rms_norm_eps), o);
-  ops::linear(o, T, HK, w.o_proj.f32(), D, nullptr, y);
+  float* final_state = grow(s.state, int64_t(state.recurrent.size()));
+  ops::KdaInputs<float> in;
+  in.shape = shape;
+  in.options = options;
+  in.q = qkv[0];
+  in.k = qkv[1];
+  in.v = qkv[2];
+  in.graw = p.graw;
+  in.braw = braw;
+  in.A_log = w.A_log.f32();
+  in.dt_bias = w.dt_bias.f32();
+  in.h0 = state.recurrent.data();
+  ops::kda_chunk_forward(in, o, final_state);
+  std::copy_n(final_state, state.recurrent.size(), state.recurrent.data());
+  kda_output(c, w, o, p.gate, T, y);
 }
 
 }  // namespace kda::model::kimi

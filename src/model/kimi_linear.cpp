@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "core/token_ids.h"
@@ -91,12 +92,18 @@ class KimiLinearModel final : public CausalLM {
   int64_t weight_bytes() const override { return weight_bytes_; }
   Tensor forward(std::span<const int32_t> ids) const override;
   std::unique_ptr<Session> start_session(int64_t max_context) const override;
+  Tensor decode_batch(std::span<Session* const> sessions,
+                      std::span<const int32_t> ids) const override;
 
   SequenceMemory new_memory(int64_t max_context) const;
   // Feeds ids through every layer, advancing `mem`; logits [ids.size(), vocab], or of the last
   // token only [1, vocab] (the lm_head runs on that row alone).
   Tensor run(std::span<const int32_t> ids, SequenceMemory& mem, kimi::Scratch& s,
              bool last_only = false) const;
+  // One token for each of N sequences (ids[n] to mems[n], checked by the caller): every
+  // projection, the MoE and the lm_head over the N rows at once; logits [N, vocab].
+  Tensor run_batch(std::span<const int32_t> ids, std::span<SequenceMemory* const> mems,
+                   kimi::Scratch& s) const;
 
  private:
   KimiLinearConfig config_;
@@ -133,6 +140,10 @@ class KimiLinearSession final : public Session {
   }
   int64_t length() const override { return memory_.length; }
   int64_t max_context() const override { return memory_.max_context; }
+  // for KimiLinearModel::decode_batch
+  const KimiLinearModel& model() const { return model_; }
+  SequenceMemory& sequence_memory() { return memory_; }
+  kimi::Scratch& scratch() { return scratch_; }
   MemoryReport memory() const override {
     MemoryReport r;
     r.weight_bytes = model_.weight_bytes();
@@ -254,6 +265,55 @@ Tensor KimiLinearModel::run(std::span<const int32_t> ids, SequenceMemory& mem, k
   ops::linear(x, rows, D, lm_head_.f32(), V, nullptr, logits.f32());
   mem.length += T;
   return logits;
+}
+
+Tensor KimiLinearModel::run_batch(std::span<const int32_t> ids,
+                                  std::span<SequenceMemory* const> mems, kimi::Scratch& s) const {
+  const int64_t N = int64_t(ids.size()), D = config_.hidden_size, V = config_.vocab_size;
+  for (const SequenceMemory* mem : mems)
+    for (const runtime::LatentCache& c : mem->latent) c.check_room(1);
+  float* h = grow(s.h, N * D);
+  float* x = grow(s.x, N * D);
+  float* out = grow(s.out, N * D);
+  for (int64_t n = 0; n < N; ++n) std::copy_n(embed_.f32() + int64_t(ids[n]) * D, D, h + n * D);
+  std::vector<kimi::KdaState*> states(size_t(N), nullptr);
+  std::vector<runtime::LatentCache*> caches(size_t(N), nullptr);
+  const float eps = float(config_.rms_norm_eps);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& l = layers_[i];
+    ops::rms_norm(h, N, D, l.input_norm.f32(), eps, x);
+    if (l.mixer == KimiMixer::kda) {
+      for (int64_t n = 0; n < N; ++n) states[size_t(n)] = &mems[size_t(n)]->kda[i];
+      kimi::kda_decode_batch(config_, l.kda, x, N, states, out, s);
+    } else {
+      for (int64_t n = 0; n < N; ++n) {
+        SequenceMemory& mem = *mems[size_t(n)];
+        caches[size_t(n)] = &mem.latent[size_t(mem.latent_index[i])];
+      }
+      kimi::mla_decode_batch(config_, l.mla, x, N, caches, out, s);
+    }
+    for (int64_t j = 0; j < N * D; ++j) h[j] += out[j];
+    ops::rms_norm(h, N, D, l.post_norm.f32(), eps, x);
+    kimi::ffn_forward(config_, l.ffn, x, N, out, s);
+    for (int64_t j = 0; j < N * D; ++j) h[j] += out[j];
+  }
+  ops::rms_norm(h, N, D, final_norm_.f32(), eps, x);
+  Tensor logits(DType::f32, {N, V});
+  ops::linear(x, N, D, lm_head_.f32(), V, nullptr, logits.f32());
+  for (SequenceMemory* mem : mems) mem->length += 1;
+  return logits;
+}
+
+Tensor KimiLinearModel::decode_batch(std::span<Session* const> sessions,
+                                     std::span<const int32_t> ids) const {
+  check_decode_batch(*this, sessions, ids);
+  std::vector<SequenceMemory*> mems;
+  for (Session* session : sessions) {
+    auto* own = dynamic_cast<KimiLinearSession*>(session);
+    if (!own || &own->model() != this) return CausalLM::decode_batch(sessions, ids);
+    mems.push_back(&own->sequence_memory());
+  }
+  return run_batch(ids, mems, static_cast<KimiLinearSession*>(sessions[0])->scratch());
 }
 
 Tensor KimiLinearModel::forward(std::span<const int32_t> ids) const {

@@ -6,6 +6,7 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -63,6 +64,11 @@ KdaState new_kda_state(const KimiLinearConfig& c);
 // y [T, D] from the normalised input x [T, D]; advances the state by T tokens.
 void kda_forward(const KimiLinearConfig& c, const KdaWeights& w, const float* x, int64_t T,
                  KdaState& state, float* y, Scratch& s);
+// One decode step of N sequences: row n of x [N, D] is sequence n's token, states[n] its state;
+// the projections run once over all N rows (the weights read once), the conv and the recurrence
+// per sequence. N = 1 is kda_forward's decode step.
+void kda_decode_batch(const KimiLinearConfig& c, const KdaWeights& w, const float* x, int64_t N,
+                      std::span<KdaState* const> states, float* y, Scratch& s);
 
 // --- MLA ---
 struct MlaWeights {
@@ -87,6 +93,11 @@ ops::MlaShape mla_shape(const KimiLinearConfig& c);
 // y [T, D]; appends the T latent rows to `cache` (which must have room).
 void mla_forward(const KimiLinearConfig& c, const MlaWeights& w, const float* x, int64_t T,
                  runtime::LatentCache& cache, float* y, Scratch& s);
+// One decode step of N sequences (row n of x, caches[n], each with room for one row): the
+// projections over all N rows at once, the absorbed attention per sequence. N = 1 is
+// mla_forward's decode step.
+void mla_decode_batch(const KimiLinearConfig& c, const MlaWeights& w, const float* x, int64_t N,
+                      std::span<runtime::LatentCache* const> caches, float* y, Scratch& s);
 
 // --- Feed-forward: dense SwiGLU MLP or MoE ---
 struct FfnWeights {

@@ -55,12 +55,14 @@ MlaWeights load_mla(const KimiLinearConfig& c, const std::string& p, const Model
   return w;
 }
 
-void mla_forward(const KimiLinearConfig& c, const MlaWeights& w, const float* x, int64_t T,
-                 runtime::LatentCache& cache, float* y, Scratch& s) {
-  const ops::MlaShape shape = mla_shape(c);
-  const int64_t D = c.hidden_size, H = c.mla_heads, L = c.kv_lora_rank;
-  const int64_t row = c.mla_row_width(), q_width = H * c.mla_qk_dim();
-  cache.check_room(T);
+namespace {
+
+// The queries [T, H (nope + rope)] (s.q) and the latent rows [T, latent + rope] (s.k) of T
+// tokens; every row independent of the others.
+void mla_project(const KimiLinearConfig& c, const MlaWeights& w, const float* x, int64_t T,
+                 Scratch& s) {
+  const int64_t D = c.hidden_size, L = c.kv_lora_rank;
+  const int64_t row = c.mla_row_width(), q_width = c.mla_heads * c.mla_qk_dim();
   float* q = grow(s.q, T * q_width);
   if (c.q_lora_rank > 0) {
     float* qa = grow(s.proj, T * c.q_lora_rank);
@@ -76,6 +78,42 @@ void mla_forward(const KimiLinearConfig& c, const MlaWeights& w, const float* x,
   for (int64_t t = 0; t < T; ++t) {
     ops::rms_norm(rows + t * row, 1, L, w.kv_a_layernorm.f32(), kKimiLatentNormEps, rows + t * row);
   }
+}
+
+}  // namespace
+
+void mla_decode_batch(const KimiLinearConfig& c, const MlaWeights& w, const float* x, int64_t N,
+                      std::span<runtime::LatentCache* const> caches, float* y, Scratch& s) {
+  require(N >= 1 && int64_t(caches.size()) == N, "mla_decode_batch: one cache per row");
+  for (const runtime::LatentCache* cache : caches) cache->check_room(1);
+  const ops::MlaShape shape = mla_shape(c);
+  const int64_t H = c.mla_heads, row = c.mla_row_width(), q_width = H * c.mla_qk_dim();
+  const int64_t o_width = H * c.v_head_dim;
+  mla_project(c, w, x, N, s);
+  float* o = grow(s.attn, N * o_width);
+  for (int64_t n = 0; n < N; ++n) {
+    runtime::LatentCache& cache = *caches[n];
+    cache.append(s.k.data() + n * row, 1);
+    const ops::LatentPages pages{cache.pages(), cache.page_tokens(), cache.length()};
+    ops::mla_absorbed_forward(shape, s.q.data() + n * q_width, 1, pages, w.kv_b.f32(),
+                              o + n * o_width, s.mla);
+  }
+  ops::linear(o, N, o_width, w.o_proj.f32(), c.hidden_size, nullptr, y);
+}
+
+void mla_forward(const KimiLinearConfig& c, const MlaWeights& w, const float* x, int64_t T,
+                 runtime::LatentCache& cache, float* y, Scratch& s) {
+  if (T == 1) {
+    runtime::LatentCache* one[1] = {&cache};
+    return mla_decode_batch(c, w, x, 1, one, y, s);
+  }
+  const ops::MlaShape shape = mla_shape(c);
+  const int64_t D = c.hidden_size, H = c.mla_heads;
+  const int64_t row = c.mla_row_width();
+  cache.check_room(T);
+  mla_project(c, w, x, T, s);
+  const float* q = s.q.data();
+  const float* rows = s.k.data();
   const int64_t past = cache.length();
   cache.append(rows, T);
 

@@ -65,6 +65,20 @@ void Generation::finish(FinishReason r) {
 }
 
 std::string Generation::step() {
+  std::string out = advance();
+  if (pending_) accept_logits(session_->feed_last(std::span<const int32_t>(&*pending_, 1)));
+  return out;
+}
+
+void Generation::accept_logits(Tensor logits) {
+  require(pending_.has_value(), "generation: no token is waiting for its logits");
+  last_logits_ = std::move(logits);
+  fed_.push_back(*pending_);
+  pending_.reset();
+}
+
+std::string Generation::advance() {
+  require(!pending_, "generation: the sampled token has not been fed yet");
   if (done()) return {};
   if (!session_) {
     start();
@@ -94,10 +108,7 @@ std::string Generation::step() {
     return emit(std::move(piece), true);
   }
   std::string out = emit(std::move(piece), false);
-  if (!done()) {
-    last_logits_ = session_->feed_last(std::span<const int32_t>(&next, 1));
-    fed_.push_back(next);
-  }
+  if (!done()) pending_ = next;
   return out;
 }
 

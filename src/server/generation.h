@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,14 @@ class Generation {
   // Prefill of at most kPrefillPiece prompt tokens, or one decode step; returns the text that
   // became final (possibly empty: an unfinished character, or a possible start of a stop string).
   std::string step();
+  // step() in two halves, for a scheduler that batches many sequences' decode steps into one
+  // model call (CausalLM::decode_batch): advance() does everything but that call and leaves the
+  // sampled id in pending_token() (nothing pending after a prefill piece or at the end); the
+  // caller feeds it to session() and hands the logits to accept_logits().
+  std::string advance();
+  std::optional<int32_t> pending_token() const { return pending_; }
+  model::Session& session() { return *session_; }
+  void accept_logits(Tensor logits);  // [1, vocab] of the pending token
   bool done() const { return finish_ != FinishReason::running; }
   FinishReason finish_reason() const { return finish_; }
   int64_t prompt_tokens() const { return int64_t(request_.prompt.size()); }
@@ -68,7 +77,8 @@ class Generation {
   int64_t prefilled_ = 0;
   int64_t generated_ = 0;
   Tensor last_logits_;
-  std::string held_;  // text not yet handed out: it may be the start of a stop string
+  std::optional<int32_t> pending_;  // sampled, not yet fed
+  std::string held_;                // text not yet handed out: it may be the start of a stop string
   FinishReason finish_ = FinishReason::running;
 };
 

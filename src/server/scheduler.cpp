@@ -1,7 +1,10 @@
 #include "server/scheduler.h"
 
+#include <algorithm>
 #include <chrono>
 #include <exception>
+#include <optional>
+#include <vector>
 
 #include "core/error.h"
 
@@ -12,6 +15,20 @@ Job::Event error_event(std::string message) {
   Job::Event e;
   e.last = true;
   e.error = std::move(message);
+  return e;
+}
+
+// The text a step made final; the last one carries the finish reason and the token counts.
+Job::Event text_event(std::string text, const Generation& g) {
+  Job::Event e;
+  e.text = std::move(text);
+  e.last = g.done();
+  if (e.last) {
+    e.finish = g.finish_reason();
+    e.prompt_tokens = g.prompt_tokens();
+    e.completion_tokens = g.completion_tokens();
+    e.cached_tokens = g.cached_tokens();
+  }
   return e;
 }
 
@@ -108,39 +125,54 @@ void Scheduler::run() {
         waiting_.pop_front();
       }
     }
-    // one unit of work for every active sequence, in turn
-    for (size_t i = 0; i < active.size();) {
+    // one unit of work for every active sequence: prefill pieces in turn, then every sequence's
+    // decode step in one model call
+    std::vector<bool> finished(active.size(), false);
+    std::vector<model::Session*> sessions;
+    std::vector<int32_t> ids;
+    std::vector<size_t> fed;  // active index of each batch row
+    for (size_t i = 0; i < active.size(); ++i) {
       Entry& e = active[i];
-      bool finished = e.job->cancelled();
-      if (finished) ++cancelled_;
+      if (e.job->cancelled()) {
+        ++cancelled_;
+        finished[i] = true;
+        continue;
+      }
       try {
-        if (!finished) {
-          std::string text = e.generation->step();
-          const bool last = e.generation->done();
-          if (!text.empty() || last) {
-            Job::Event ev;
-            ev.text = std::move(text);
-            ev.last = last;
-            if (last) {
-              ev.finish = e.generation->finish_reason();
-              ev.prompt_tokens = e.generation->prompt_tokens();
-              ev.completion_tokens = e.generation->completion_tokens();
-              ev.cached_tokens = e.generation->cached_tokens();
-            }
-            e.job->push(std::move(ev));
-          }
-          finished = last;
+        std::string text = e.generation->advance();
+        const bool last = e.generation->done();
+        if (!text.empty() || last) e.job->push(text_event(std::move(text), *e.generation));
+        finished[i] = last;
+        if (const std::optional<int32_t> id = e.generation->pending_token()) {
+          sessions.push_back(&e.generation->session());
+          ids.push_back(*id);
+          fed.push_back(i);
         }
       } catch (const std::exception& ex) {
         e.job->push(error_event(ex.what()));
-        finished = true;
+        finished[i] = true;
       }
-      if (finished) {
-        active.erase(active.begin() + std::ptrdiff_t(i));
-        --in_flight_;
-      } else {
-        ++i;
+    }
+    if (!sessions.empty()) {
+      try {
+        const Tensor logits = lm_.decode_batch(sessions, ids);
+        const int64_t vocab = logits.dim(1);
+        for (size_t r = 0; r < fed.size(); ++r) {
+          Tensor row(DType::f32, {1, vocab});
+          std::copy_n(logits.f32() + int64_t(r) * vocab, vocab, row.f32());
+          active[fed[r]].generation->accept_logits(std::move(row));
+        }
+      } catch (const std::exception& ex) {
+        for (const size_t i : fed) {
+          active[i].job->push(error_event(ex.what()));
+          finished[i] = true;
+        }
       }
+    }
+    for (size_t i = active.size(); i-- > 0;) {
+      if (!finished[i]) continue;
+      active.erase(active.begin() + std::ptrdiff_t(i));
+      --in_flight_;
     }
   }
   for (Entry& e : active) e.job->push(error_event("the server is shutting down"));

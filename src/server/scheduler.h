@@ -1,8 +1,10 @@
 // Serves many sequences at once on one model: requests queue, up to `max_active` run at a time,
-// and one worker thread advances every active sequence by one unit of work in turn (a piece of
-// its prompt or one token), so a long prompt or a long answer never holds the others up. Each
-// sequence has its own session (fixed KDA states, growing MLA cache); the weights are shared.
-// Requests take turns on the model: they are not yet batched into one matrix product.
+// and one worker thread advances every active sequence by one unit of work per round (a piece of
+// its prompt, or one token), so a long prompt or a long answer never holds the others up. The
+// round's decode steps go to the model as one batch (CausalLM::decode_batch: on the CPU Kimi
+// Linear one matrix product per weight for all of them, the weights read once); prompt pieces
+// are fed one sequence at a time. Each sequence has its own session (fixed KDA states, growing
+// MLA cache); the weights are shared.
 #pragma once
 #include <atomic>
 #include <condition_variable>
