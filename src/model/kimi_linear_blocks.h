@@ -24,7 +24,7 @@ using TensorMap = std::map<std::string, Shape>;
 
 // Buffers reused across calls (grown, never shrunk): decode steps do not allocate.
 struct Scratch {
-  std::vector<float> h, x, out, proj, q, k, v, graw, gate, braw, attn, state, rows;
+  std::vector<float> h, x, out, proj, q, k, v, graw, gate, braw, attn, state, rows, low_rank;
   std::vector<float> router_logits, route_weights;
   std::vector<int32_t> route_ids;
   ops::MoeWorkspace moe;
