@@ -162,6 +162,43 @@ TEST(Gpt2Session, DecodeMatchesForwardAtEveryPosition) {
   EXPECT_LE(relative_error(row(last, 0), row(full, 69)), 1e-5);
 }
 
+// decode_batch: sequences at different positions advanced together (each at its own position
+// embedding, against its own KV cache), against the same sequences one at a time.
+TEST(Gpt2Session, DecodeBatchEqualsOneAtATime) {
+  const auto lm = model::load_causal_lm(kFixture);
+  Random rng(103);
+  std::vector<std::unique_ptr<model::Session>> batched, single;
+  std::vector<model::Session*> batch;
+  for (const int64_t length : {1, 17, 40}) {
+    const std::vector<int32_t> prompt = random_ids(rng, length, lm->vocab_size());
+    batched.push_back(lm->start_session());
+    single.push_back(lm->start_session());
+    batched.back()->feed(prompt);
+    single.back()->feed(prompt);
+    batch.push_back(batched.back().get());
+  }
+  for (int step = 0; step < 5; ++step) {
+    const std::vector<int32_t> ids = random_ids(rng, 3, lm->vocab_size());
+    const Tensor logits = lm->decode_batch(batch, ids);
+    ASSERT_EQ(logits.shape(), (Shape{3, 1000}));
+    for (int64_t n = 0; n < 3; ++n) {
+      const Tensor want = single[size_t(n)]->feed_last(std::span(ids).subspan(size_t(n), 1));
+      EXPECT_LE(relative_error(row(logits, n), row(want, 0)), 1e-5) << "sequence " << n;
+      EXPECT_EQ(batched[size_t(n)]->length(), single[size_t(n)]->length());
+    }
+  }
+  // a sequence at its context limit stops the whole batch before anything is fed
+  auto full = lm->start_session(2);
+  full->feed(std::vector<int32_t>{3, 4});
+  std::vector<model::Session*> with_full = {batch[0], full.get()};
+  expect_error_naming(
+      [&] {
+        lm->decode_batch(with_full, std::vector<int32_t>{5, 6});
+      },
+      "context limit");
+  EXPECT_EQ(batched[0]->length(), single[0]->length());
+}
+
 TEST(Gpt2Session, ContextAndIdLimits) {
   const auto lm = model::load_causal_lm(kFixture);
   auto session = lm->start_session(10);

@@ -163,6 +163,10 @@ class Gpt2Session : public Session {
   int64_t max_context() const override { return max_context_; }
   MemoryReport memory() const override;
   std::unique_ptr<Session> clone() const override;
+  // for Gpt2Model::decode_batch
+  const Gpt2Model& model() const { return model_; }
+  std::vector<ops::KvCache>& caches() { return caches_; }
+  void advance(int64_t tokens) { length_ += tokens; }
 
  private:
   const Gpt2Model& model_;
@@ -206,8 +210,18 @@ class Gpt2Model : public CausalLM {
   // several tokens, a decode step for one). Returns logits [T, V] or, with last_only, [1, V].
   Tensor run(std::span<const int32_t> ids, int64_t past, std::vector<ops::KvCache>* caches,
              bool last_only) const;
+  // One token for each of N sequences (row n at position positions[n], its keys and values
+  // appended to caches[n]'s layers): logits [N, V], the projections over all N rows at once.
+  Tensor run_batch(std::span<const int32_t> ids, std::span<const int64_t> positions,
+                   std::span<std::vector<ops::KvCache>* const> caches) const;
+  Tensor decode_batch(std::span<Session* const> sessions,
+                      std::span<const int32_t> ids) const override;
 
  private:
+  template <class Attend>
+  Tensor stack(std::span<const int32_t> ids, std::span<const int64_t> positions, int64_t out_rows,
+               const Attend& attend) const;
+
   Gpt2Config config_;
   ArchitectureInfo info_;
   Tensor token_embedding_, position_embedding_;  // [V, E] (also the lm_head), [P, E]
@@ -254,8 +268,11 @@ Gpt2Model::Gpt2Model(const Gpt2Config& config, const ModelFolder& folder)
   }
 }
 
-Tensor Gpt2Model::run(std::span<const int32_t> ids, int64_t past, std::vector<ops::KvCache>* caches,
-                      bool last_only) const {
+// The layer stack over T rows whose attention `attend(l, shape, q, k, v, o)` supplies (the
+// only step that looks across rows): rows at positions[t], logits of the last `out_rows`.
+template <class Attend>
+Tensor Gpt2Model::stack(std::span<const int32_t> ids, std::span<const int64_t> positions,
+                        int64_t out_rows, const Attend& attend) const {
   const int64_t T = int64_t(ids.size()), E = config_.embd, I = config_.inner;
   const int64_t H = config_.heads, D = config_.head_dim();
   std::vector<float> x(size_t(T * E)), normed(size_t(T * E)), qkv(size_t(T * 3 * E));
@@ -264,7 +281,7 @@ Tensor Gpt2Model::run(std::span<const int32_t> ids, int64_t past, std::vector<op
 
   for (int64_t t = 0; t < T; ++t) {
     const float* tok = token_embedding_.f32() + int64_t(ids[size_t(t)]) * E;
-    const float* pos = position_embedding_.f32() + (past + t) * E;
+    const float* pos = position_embedding_.f32() + positions[size_t(t)] * E;
     for (int64_t i = 0; i < E; ++i) x[size_t(t * E + i)] = tok[i] + pos[i];
   }
 
@@ -286,15 +303,7 @@ Tensor Gpt2Model::run(std::span<const int32_t> ids, int64_t past, std::vector<op
     shape.H = shape.HKV = H;
     shape.D = shape.DV = D;
     shape.scale = config_.attention_scale(l);
-    const ops::AttentionInputs<float> in{shape, q.data(), k.data(), v.data()};
-    if (!caches) {
-      ops::attention_flash_forward(in, o.data(), nullptr);
-    } else if (T == 1) {
-      ops::attention_decode_step(shape, (*caches)[size_t(l)], q.data(), k.data(), v.data(),
-                                 o.data());
-    } else {
-      ops::attention_prefill(in, (*caches)[size_t(l)], o.data(), nullptr);
-    }
+    attend(l, shape, q.data(), k.data(), v.data(), o.data());
     project(o.data(), T, E, layer.out_weight, &layer.out_bias, true, x.data());
 
     // MLP: x += c_proj(act(c_fc(ln_2(x))))
@@ -305,13 +314,47 @@ Tensor Gpt2Model::run(std::span<const int32_t> ids, int64_t past, std::vector<op
     project(hidden.data(), T, I, layer.down_weight, &layer.down_bias, true, x.data());
   }
 
-  const int64_t first = last_only ? T - 1 : 0, rows = T - first;
+  const int64_t first = T - out_rows, rows = out_rows;
   layer_norm_rows(x.data() + first * E, rows, E, final_norm_weight_, final_norm_bias_,
                   float(config_.eps), normed.data());
   Tensor logits(DType::f32, {rows, config_.vocab});
   const Tensor& head = config_.tied ? token_embedding_ : lm_head_;
   project(normed.data(), rows, E, head, nullptr, false, logits.f32());
   return logits;
+}
+
+Tensor Gpt2Model::run(std::span<const int32_t> ids, int64_t past, std::vector<ops::KvCache>* caches,
+                      bool last_only) const {
+  const int64_t T = int64_t(ids.size());
+  std::vector<int64_t> positions(static_cast<size_t>(T), 0);
+  for (int64_t t = 0; t < T; ++t) positions[size_t(t)] = past + t;
+  const auto attend = [&](int64_t l, const ops::AttentionShape& shape, const float* q,
+                          const float* k, const float* v, float* o) {
+    const ops::AttentionInputs<float> in{shape, q, k, v};
+    if (!caches) {
+      ops::attention_flash_forward(in, o, nullptr);
+    } else if (T == 1) {
+      ops::attention_decode_step(shape, (*caches)[size_t(l)], q, k, v, o);
+    } else {
+      ops::attention_prefill(in, (*caches)[size_t(l)], o, nullptr);
+    }
+  };
+  return stack(ids, positions, last_only ? 1 : T, attend);
+}
+
+Tensor Gpt2Model::run_batch(std::span<const int32_t> ids, std::span<const int64_t> positions,
+                            std::span<std::vector<ops::KvCache>* const> caches) const {
+  const int64_t N = int64_t(ids.size()), E = config_.embd;
+  const auto attend = [&](int64_t l, const ops::AttentionShape& shape, const float* q,
+                          const float* k, const float* v, float* o) {
+    ops::AttentionShape one = shape;
+    one.T = 1;
+    for (int64_t n = 0; n < N; ++n) {
+      ops::attention_decode_step(one, (*caches[size_t(n)])[size_t(l)], q + n * E, k + n * E,
+                                 v + n * E, o + n * E);
+    }
+  };
+  return stack(ids, positions, N, attend);
 }
 
 Gpt2Session::Gpt2Session(const Gpt2Model& model, int64_t max_context)
@@ -331,6 +374,24 @@ std::unique_ptr<Session> Gpt2Session::clone() const {
   }
   copy->length_ = length_;
   return copy;
+}
+
+Tensor Gpt2Model::decode_batch(std::span<Session* const> sessions,
+                               std::span<const int32_t> ids) const {
+  check_decode_batch(*this, sessions, ids);
+  std::vector<int64_t> positions;
+  std::vector<std::vector<ops::KvCache>*> caches;
+  std::vector<Gpt2Session*> own;
+  for (Session* session : sessions) {
+    auto* s = dynamic_cast<Gpt2Session*>(session);
+    if (!s || &s->model() != this) return CausalLM::decode_batch(sessions, ids);
+    own.push_back(s);
+    positions.push_back(s->length());
+    caches.push_back(&s->caches());
+  }
+  Tensor logits = run_batch(ids, positions, caches);
+  for (Gpt2Session* s : own) s->advance(1);
+  return logits;
 }
 
 Tensor Gpt2Session::feed(std::span<const int32_t> ids) {
