@@ -456,7 +456,9 @@ TEST(KimiLinearRandomConfig, DecodeBatchEqualsOneAtATime) {
   const std::unique_ptr<model::CausalLM> lm =
       model::load_kimi_linear(model::ModelFolder::open(dir.str()));
   Random rng(31);
-  const std::vector<int64_t> prompt_lengths = {1, 37, 260, 5};
+  // 6 sequences (a leftover pair after the four-row blocks); 253 + 6 steps crosses into a
+  // second latent page inside the batched steps
+  const std::vector<int64_t> prompt_lengths = {1, 37, 253, 5, 256, 90};
   std::vector<std::unique_ptr<model::Session>> batched, single;
   std::vector<model::Session*> batch;
   for (const int64_t length : prompt_lengths) {
@@ -484,8 +486,30 @@ TEST(KimiLinearRandomConfig, DecodeBatchEqualsOneAtATime) {
     }
   }
   std::printf("decode_batch of %lld sequences: worst row %.3g\n", (long long)N, worst);
-  // some sums in another order (the gate's low-rank products by GEMM over N rows): as above
+  // the sums in the same order or another (the few-row products against the one-row ones)
   EXPECT_LE(worst, 2e-5);
+
+  // More rows than the few-row product takes (GEMM, with the gate's strided operands).
+  std::vector<std::unique_ptr<model::Session>> many, many_single;
+  std::vector<model::Session*> many_batch;
+  std::vector<int32_t> many_ids;
+  for (int64_t n = 0; n < 17; ++n) {
+    const int32_t prompt[2] = {int32_t(n), int32_t(3 * n + 1)};
+    many.push_back(lm->start_session(8));
+    many_single.push_back(lm->start_session(8));
+    many.back()->feed(prompt);
+    many_single.back()->feed(prompt);
+    many_batch.push_back(many.back().get());
+    many_ids.push_back(int32_t(rng.integer(0, 299)));
+  }
+  const Tensor many_logits = lm->decode_batch(many_batch, many_ids);
+  double worst_many = 0;
+  for (int64_t n = 0; n < 17; ++n) {
+    const Tensor want =
+        many_single[size_t(n)]->feed_last(std::span(many_ids).subspan(size_t(n), 1));
+    worst_many = std::max(worst_many, rel_error(many_logits.f32() + n * V, want.f32(), size_t(V)));
+  }
+  EXPECT_LE(worst_many, 2e-5);
 
   // One sequence is the plain decode step itself, bit for bit (fresh sessions: the ones above
   // differ by the rounding of their batched steps).

@@ -1,10 +1,12 @@
 // ops::linear's one-token path (the decode matrix-vector product, four rows at a time, large
-// matrices shared with helper threads) against a float64 reference: row counts that are and are
-// not multiples of four or of the block, short and long rows, with and without bias, and
-// linear_accumulate.
+// matrices shared with helper threads) and its few-row path (a batched decode step) against a
+// float64 reference: row counts that are and are not multiples of four or of the block, short
+// and long rows, with and without bias, and linear_accumulate.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "core/random.h"
@@ -70,6 +72,48 @@ TEST(NnLinear, SharedRowBlocksAreAllWrittenEveryCall) {
     std::vector<float> y = poisoned(size_t(out));
     ops::linear(x.data(), 1, in, W.data(), out, nullptr, y.data());
     ASSERT_LE(rel_error(y, want), 1e-6) << "call " << call;
+  }
+}
+
+// A few rows (a batched decode step: 2-16 rows take the few-row product, more a GEMM): every
+// row against float64, row counts that are and are not multiples of four, products small and
+// large enough to be shared with the helper threads (700 x 2051), with and without bias, and
+// linear_accumulate; outputs poisoned, large products repeated.
+TEST(NnLinear, FewRowsMatchFloat64) {
+  Random rng(13);
+  for (const int64_t T : {2, 3, 4, 5, 7, 8, 16, 17}) {
+    for (const auto& [in, out] :
+         {std::pair<int64_t, int64_t>{7, 1}, {300, 5}, {1031, 67}, {16, 3}, {700, 2051}}) {
+      const std::vector<float> x = random_vector(rng, size_t(T * in));
+      const std::vector<float> W = random_vector(rng, size_t(out * in));
+      const std::vector<float> bias = random_vector(rng, size_t(out));
+      const std::vector<float> start = random_vector(rng, size_t(T * out));
+      const size_t n = static_cast<size_t>(T * out);
+      std::vector<double> want(n), want_bias(n), want_acc(n);
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t o = 0; o < out; ++o) {
+          double dot = 0;
+          for (int64_t i = 0; i < in; ++i) dot += double(W[o * in + i]) * x[t * in + i];
+          want[t * out + o] = dot;
+          want_bias[t * out + o] = dot + bias[o];
+          want_acc[t * out + o] = dot + start[t * out + o];
+        }
+      }
+      const std::string shape =
+          std::to_string(T) + " rows, " + std::to_string(in) + " x " + std::to_string(out);
+      const int calls = out * in >= (1 << 16) ? 20 : 1;
+      for (int call = 0; call < calls; ++call) {
+        std::vector<float> y = poisoned(n);
+        ops::linear(x.data(), T, in, W.data(), out, nullptr, y.data());
+        ASSERT_LE(rel_error(y, want), 1e-6) << shape << ", call " << call;
+      }
+      std::vector<float> y = poisoned(n);
+      ops::linear(x.data(), T, in, W.data(), out, bias.data(), y.data());
+      EXPECT_LE(rel_error(y, want_bias), 1e-6) << shape << " with bias";
+      y = start;
+      ops::linear_accumulate(x.data(), T, in, W.data(), out, y.data());
+      EXPECT_LE(rel_error(y, want_acc), 1e-6) << shape << " accumulating";
+    }
   }
 }
 

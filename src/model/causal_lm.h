@@ -77,7 +77,8 @@ class CausalLM {
   // sessions of this model) and returns each one's next-token logits, [N, vocab]; row n is what
   // sessions[n]->feed_last(ids[n]) returns, up to float rounding. Models override it to read
   // their weights once for all N rows (a GEMM instead of N GEMVs); this default feeds each in
-  // turn. Nothing is fed when a check fails (an id outside the vocabulary, a full context).
+  // turn. Nothing is fed when a check fails (an id outside the vocabulary, a full context); an
+  // error past the checks (a non-finite activation) leaves the sessions unusable, as feed does.
   virtual Tensor decode_batch(std::span<Session* const> sessions,
                               std::span<const int32_t> ids) const;
 };

@@ -163,6 +163,8 @@ void Scheduler::run() {
           active[fed[r]].generation->accept_logits(std::move(row));
         }
       } catch (const std::exception& ex) {
+        // past decode_batch's checks (which the generations' own limits keep from failing) an
+        // error leaves every session of the batch half-advanced: all of them end
         for (const size_t i : fed) {
           active[i].job->push(error_event(ex.what()));
           finished[i] = true;
