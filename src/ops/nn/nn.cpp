@@ -17,32 +17,71 @@
 namespace kda::ops {
 namespace {
 
-// y[0, out) = W x (+ y), four rows at a time so each load of x feeds four independent sums.
-void matvec_rows(const float* x, int64_t in, const float* W, int64_t out, bool accumulate,
-                 float* y) {
+// Y = X W^T (+ Y) for a few rows of X (one for a decode step, one token of each of T sequences
+// for a batched one), Y with row stride ldy: each block of four weight rows read from memory
+// once and applied, while it sits in L1, to every row of X (which stays in L2), four rows of X
+// at a time (16 sums, 8 loads per 16 multiply-adds), a single row four weight rows at a time
+// (each load of x feeds four independent sums). GEMM would first pack all of W: at T = 4 on a
+// 550 MB model that packing cost more than the products.
+void matmat_rows(const float* X, int64_t T, int64_t in, const float* W, int64_t out,
+                 bool accumulate, float* Y, int64_t ldy) {
   int64_t o = 0;
   for (; o + 4 <= out; o += 4) {
     const float *r0 = W + o * in, *r1 = r0 + in, *r2 = r1 + in, *r3 = r2 + in;
-    float d0 = 0, d1 = 0, d2 = 0, d3 = 0;
-#pragma omp simd reduction(+ : d0, d1, d2, d3)
-    for (int64_t i = 0; i < in; ++i) {
-      const float xi = x[i];
-      d0 += r0[i] * xi;
-      d1 += r1[i] * xi;
-      d2 += r2[i] * xi;
-      d3 += r3[i] * xi;
+    int64_t t = 0;
+    // four rows of X against the four weight rows: 16 sums, 8 loads per 16 multiply-adds
+    for (; t + 4 <= T; t += 4) {
+      const float *x0 = X + t * in, *x1 = x0 + in, *x2 = x1 + in, *x3 = x2 + in;
+      float d[4][4] = {};
+      float d00 = 0, d01 = 0, d02 = 0, d03 = 0, d10 = 0, d11 = 0, d12 = 0, d13 = 0;
+      float d20 = 0, d21 = 0, d22 = 0, d23 = 0, d30 = 0, d31 = 0, d32 = 0, d33 = 0;
+#pragma omp simd reduction(+ : d00, d01, d02, d03, d10, d11, d12, d13, d20, d21, d22, d23, d30, \
+                               d31, d32, d33)
+      for (int64_t i = 0; i < in; ++i) {
+        const float a0 = r0[i], a1 = r1[i], a2 = r2[i], a3 = r3[i];
+        const float b0 = x0[i], b1 = x1[i], b2 = x2[i], b3 = x3[i];
+        d00 += a0 * b0, d01 += a1 * b0, d02 += a2 * b0, d03 += a3 * b0;
+        d10 += a0 * b1, d11 += a1 * b1, d12 += a2 * b1, d13 += a3 * b1;
+        d20 += a0 * b2, d21 += a1 * b2, d22 += a2 * b2, d23 += a3 * b2;
+        d30 += a0 * b3, d31 += a1 * b3, d32 += a2 * b3, d33 += a3 * b3;
+      }
+      d[0][0] = d00, d[0][1] = d01, d[0][2] = d02, d[0][3] = d03;
+      d[1][0] = d10, d[1][1] = d11, d[1][2] = d12, d[1][3] = d13;
+      d[2][0] = d20, d[2][1] = d21, d[2][2] = d22, d[2][3] = d23;
+      d[3][0] = d30, d[3][1] = d31, d[3][2] = d32, d[3][3] = d33;
+      for (int u = 0; u < 4; ++u) {
+        float* y = Y + (t + u) * ldy + o;
+        for (int j = 0; j < 4; ++j) y[j] = (accumulate ? y[j] : 0.0f) + d[u][j];
+      }
     }
-    y[o] = (accumulate ? y[o] : 0.0f) + d0;
-    y[o + 1] = (accumulate ? y[o + 1] : 0.0f) + d1;
-    y[o + 2] = (accumulate ? y[o + 2] : 0.0f) + d2;
-    y[o + 3] = (accumulate ? y[o + 3] : 0.0f) + d3;
+    for (; t < T; ++t) {
+      const float* x = X + t * in;
+      float d0 = 0, d1 = 0, d2 = 0, d3 = 0;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+      for (int64_t i = 0; i < in; ++i) {
+        const float xi = x[i];
+        d0 += r0[i] * xi;
+        d1 += r1[i] * xi;
+        d2 += r2[i] * xi;
+        d3 += r3[i] * xi;
+      }
+      float* y = Y + t * ldy + o;
+      y[0] = (accumulate ? y[0] : 0.0f) + d0;
+      y[1] = (accumulate ? y[1] : 0.0f) + d1;
+      y[2] = (accumulate ? y[2] : 0.0f) + d2;
+      y[3] = (accumulate ? y[3] : 0.0f) + d3;
+    }
   }
   for (; o < out; ++o) {
     const float* row = W + o * in;
-    float dot = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      const float* x = X + t * in;
+      float dot = 0;
 #pragma omp simd reduction(+ : dot)
-    for (int64_t i = 0; i < in; ++i) dot += row[i] * x[i];
-    y[o] = (accumulate ? y[o] : 0.0f) + dot;
+      for (int64_t i = 0; i < in; ++i) dot += row[i] * x[i];
+      float* y = Y + t * ldy + o;
+      *y = (accumulate ? *y : 0.0f) + dot;
+    }
   }
 }
 
@@ -138,90 +177,9 @@ class MatvecPool {
   int64_t blocks_ = 0;
 };
 
-// One token (decode): y = W x (+ y), bound by streaming W from memory (GEMM would pack the
-// whole weight matrix first). Matrices of at least 256 KiB are split into row blocks of about
-// 64 KiB shared with the helper threads.
-void matvec(const float* x, int64_t in, const float* W, int64_t out, bool accumulate, float* y) {
-  constexpr int64_t kSharedElements = int64_t(1) << 16, kBlockElements = int64_t(1) << 14;
-  const int64_t rows = std::max<int64_t>(4, (kBlockElements / std::max<int64_t>(in, 1)) / 4 * 4);
-  const int64_t blocks = (out + rows - 1) / rows;
-  if (out * in >= kSharedElements && blocks >= 2 && !omp_in_parallel()) {
-    const auto block = [&](int64_t b) {
-      const int64_t o0 = b * rows;
-      matvec_rows(x, in, W + o0 * in, std::min(out, o0 + rows) - o0, accumulate, y + o0);
-    };
-    if (MatvecPool::instance().run(blocks, block)) return;
-  }
-  matvec_rows(x, in, W, out, accumulate, y);
-}
-
-// A few rows at once (a batched decode step: one token of each of T sequences): Y = X W^T
-// (+ Y), each block of four weight rows read from memory once and applied, while it sits in L1,
-// to every row of X (which stays in L2), four rows of X at a time. GEMM would first pack all of
-// W: at T = 4 on a 550 MB model that packing cost more than the products.
-void matmat_rows(const float* X, int64_t T, int64_t in, const float* W, int64_t out,
-                 bool accumulate, float* Y, int64_t ldy) {
-  int64_t o = 0;
-  for (; o + 4 <= out; o += 4) {
-    const float *r0 = W + o * in, *r1 = r0 + in, *r2 = r1 + in, *r3 = r2 + in;
-    int64_t t = 0;
-    // four rows of X against the four weight rows: 16 sums, 8 loads per 16 multiply-adds
-    for (; t + 4 <= T; t += 4) {
-      const float *x0 = X + t * in, *x1 = x0 + in, *x2 = x1 + in, *x3 = x2 + in;
-      float d[4][4] = {};
-      float d00 = 0, d01 = 0, d02 = 0, d03 = 0, d10 = 0, d11 = 0, d12 = 0, d13 = 0;
-      float d20 = 0, d21 = 0, d22 = 0, d23 = 0, d30 = 0, d31 = 0, d32 = 0, d33 = 0;
-#pragma omp simd reduction(+ : d00, d01, d02, d03, d10, d11, d12, d13, d20, d21, d22, d23, d30, \
-                               d31, d32, d33)
-      for (int64_t i = 0; i < in; ++i) {
-        const float a0 = r0[i], a1 = r1[i], a2 = r2[i], a3 = r3[i];
-        const float b0 = x0[i], b1 = x1[i], b2 = x2[i], b3 = x3[i];
-        d00 += a0 * b0, d01 += a1 * b0, d02 += a2 * b0, d03 += a3 * b0;
-        d10 += a0 * b1, d11 += a1 * b1, d12 += a2 * b1, d13 += a3 * b1;
-        d20 += a0 * b2, d21 += a1 * b2, d22 += a2 * b2, d23 += a3 * b2;
-        d30 += a0 * b3, d31 += a1 * b3, d32 += a2 * b3, d33 += a3 * b3;
-      }
-      d[0][0] = d00, d[0][1] = d01, d[0][2] = d02, d[0][3] = d03;
-      d[1][0] = d10, d[1][1] = d11, d[1][2] = d12, d[1][3] = d13;
-      d[2][0] = d20, d[2][1] = d21, d[2][2] = d22, d[2][3] = d23;
-      d[3][0] = d30, d[3][1] = d31, d[3][2] = d32, d[3][3] = d33;
-      for (int u = 0; u < 4; ++u) {
-        float* y = Y + (t + u) * ldy + o;
-        for (int j = 0; j < 4; ++j) y[j] = (accumulate ? y[j] : 0.0f) + d[u][j];
-      }
-    }
-    for (; t < T; ++t) {
-      const float* x = X + t * in;
-      float d0 = 0, d1 = 0, d2 = 0, d3 = 0;
-#pragma omp simd reduction(+ : d0, d1, d2, d3)
-      for (int64_t i = 0; i < in; ++i) {
-        const float xi = x[i];
-        d0 += r0[i] * xi;
-        d1 += r1[i] * xi;
-        d2 += r2[i] * xi;
-        d3 += r3[i] * xi;
-      }
-      float* y = Y + t * ldy + o;
-      y[0] = (accumulate ? y[0] : 0.0f) + d0;
-      y[1] = (accumulate ? y[1] : 0.0f) + d1;
-      y[2] = (accumulate ? y[2] : 0.0f) + d2;
-      y[3] = (accumulate ? y[3] : 0.0f) + d3;
-    }
-  }
-  for (; o < out; ++o) {
-    const float* row = W + o * in;
-    for (int64_t t = 0; t < T; ++t) {
-      const float* x = X + t * in;
-      float dot = 0;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t i = 0; i < in; ++i) dot += row[i] * x[i];
-      float* y = Y + t * ldy + o;
-      *y = (accumulate ? *y : 0.0f) + dot;
-    }
-  }
-}
-
-// matmat_rows over row blocks of W shared with the helper threads, as matvec does.
+// Decode (one token, or one of each of T sequences): Y = X W^T (+ Y), bound by streaming W
+// from memory. Matrices of at least 256 KiB are split into row blocks of about 64 KiB shared
+// with the helper threads.
 void matmat(const float* X, int64_t T, int64_t in, const float* W, int64_t out, bool accumulate,
             float* Y) {
   constexpr int64_t kSharedElements = int64_t(1) << 16, kBlockElements = int64_t(1) << 14;
@@ -237,7 +195,7 @@ void matmat(const float* X, int64_t T, int64_t in, const float* W, int64_t out, 
   matmat_rows(X, T, in, W, out, accumulate, Y, out);
 }
 
-// Up to this many rows go through matmat (a batched decode step), more through GEMM.
+// Up to this many rows go through matmat (decode, batched decode), more through GEMM.
 constexpr int64_t kMatmatMaxRows = 16;
 
 }  // namespace
@@ -248,14 +206,12 @@ void linear(const float* x, int64_t T, int64_t in, const float* W, int64_t out, 
     for (int64_t t = 0; t < T; ++t)
       for (int64_t o = 0; o < out; ++o) y[t * out + o] = bias[o];
   }
-  if (T == 1) return matvec(x, in, W, out, bias != nullptr, y);
   if (T <= kMatmatMaxRows) return matmat(x, T, in, W, out, bias != nullptr, y);
   gemm_nt(int(T), int(out), int(in), 1.0f, x, int(in), W, int(in), bias ? 1.0f : 0.0f, y, int(out));
 }
 
 void linear_accumulate(const float* x, int64_t T, int64_t in, const float* W, int64_t out,
                        float* y) {
-  if (T == 1) return matvec(x, in, W, out, true, y);
   if (T <= kMatmatMaxRows) return matmat(x, T, in, W, out, true, y);
   gemm_nt(int(T), int(out), int(in), 1.0f, x, int(in), W, int(in), 1.0f, y, int(out));
 }
