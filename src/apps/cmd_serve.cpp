@@ -34,7 +34,8 @@ void print_usage() {
       "\n"
       "Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions\n"
       "(\"stream\": true for server-sent events). Every active sequence advances by one token (or\n"
-      "a piece of its prompt) in turn. Ctrl-C stops it.");
+      "a piece of its prompt) a round; the round's tokens go through the model as one batch (on\n"
+      "the CPU each weight read once for all of them). Ctrl-C stops it.");
 }
 
 server::HttpServer* g_server = nullptr;
