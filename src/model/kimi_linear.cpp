@@ -104,6 +104,11 @@ class KimiLinearModel final : public CausalLM {
   // projection, the MoE and the lm_head over the N rows at once; logits [N, vocab].
   Tensor run_batch(std::span<const int32_t> ids, std::span<SequenceMemory* const> mems,
                    kimi::Scratch& s) const;
+  // The layer stack over the rows of ids, whose token mixing mix(layer index, layer, x, out)
+  // does (the one step that reads or writes a sequence's memory); logits of the last out_rows.
+  template <class Mix>
+  Tensor stack(std::span<const int32_t> ids, int64_t out_rows, kimi::Scratch& s,
+               const Mix& mix) const;
 
  private:
   KimiLinearConfig config_;
@@ -229,17 +234,10 @@ SequenceMemory KimiLinearModel::new_memory(int64_t max_context) const {
   return m;
 }
 
-Tensor KimiLinearModel::run(std::span<const int32_t> ids, SequenceMemory& mem, kimi::Scratch& s,
-                            bool last_only) const {
+template <class Mix>
+Tensor KimiLinearModel::stack(std::span<const int32_t> ids, int64_t out_rows, kimi::Scratch& s,
+                              const Mix& mix) const {
   const int64_t T = int64_t(ids.size()), D = config_.hidden_size, V = config_.vocab_size;
-  require(T >= 1, "kimi_linear: no tokens to feed");
-  require(mem.length + T <= mem.max_context, "kimi_linear: feeding " + std::to_string(T) +
-                                                 " tokens after " + std::to_string(mem.length) +
-                                                 " would pass the context limit of " +
-                                                 std::to_string(mem.max_context));
-  require_token_ids(ids, V, "kimi_linear");
-  for (const runtime::LatentCache& c : mem.latent) c.check_room(T);
-
   float* h = grow(s.h, T * D);
   float* x = grow(s.x, T * D);
   float* out = grow(s.out, T * D);
@@ -248,40 +246,49 @@ Tensor KimiLinearModel::run(std::span<const int32_t> ids, SequenceMemory& mem, k
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& l = layers_[i];
     ops::rms_norm(h, T, D, l.input_norm.f32(), eps, x);
-    if (l.mixer == KimiMixer::kda) {
-      kimi::kda_forward(config_, l.kda, x, T, mem.kda[i], out, s);
-    } else {
-      kimi::mla_forward(config_, l.mla, x, T, mem.latent[mem.latent_index[i]], out, s);
-    }
+    mix(i, l, x, out);
     for (int64_t j = 0; j < T * D; ++j) h[j] += out[j];
     ops::rms_norm(h, T, D, l.post_norm.f32(), eps, x);
     kimi::ffn_forward(config_, l.ffn, x, T, out, s);
     for (int64_t j = 0; j < T * D; ++j) h[j] += out[j];
   }
-  const int64_t rows = last_only ? 1 : T;
-  const float* last = h + (T - rows) * D;
-  ops::rms_norm(last, rows, D, final_norm_.f32(), eps, x);
-  Tensor logits(DType::f32, {rows, V});
-  ops::linear(x, rows, D, lm_head_.f32(), V, nullptr, logits.f32());
+  const float* last = h + (T - out_rows) * D;
+  ops::rms_norm(last, out_rows, D, final_norm_.f32(), eps, x);
+  Tensor logits(DType::f32, {out_rows, V});
+  ops::linear(x, out_rows, D, lm_head_.f32(), V, nullptr, logits.f32());
+  return logits;
+}
+
+Tensor KimiLinearModel::run(std::span<const int32_t> ids, SequenceMemory& mem, kimi::Scratch& s,
+                            bool last_only) const {
+  const int64_t T = int64_t(ids.size());
+  require(T >= 1, "kimi_linear: no tokens to feed");
+  require(mem.length + T <= mem.max_context, "kimi_linear: feeding " + std::to_string(T) +
+                                                 " tokens after " + std::to_string(mem.length) +
+                                                 " would pass the context limit of " +
+                                                 std::to_string(mem.max_context));
+  require_token_ids(ids, config_.vocab_size, "kimi_linear");
+  for (const runtime::LatentCache& c : mem.latent) c.check_room(T);
+  const auto mix = [&](size_t i, const Layer& l, const float* x, float* out) {
+    if (l.mixer == KimiMixer::kda) {
+      kimi::kda_forward(config_, l.kda, x, T, mem.kda[i], out, s);
+    } else {
+      kimi::mla_forward(config_, l.mla, x, T, mem.latent[mem.latent_index[i]], out, s);
+    }
+  };
+  Tensor logits = stack(ids, last_only ? 1 : T, s, mix);
   mem.length += T;
   return logits;
 }
 
 Tensor KimiLinearModel::run_batch(std::span<const int32_t> ids,
                                   std::span<SequenceMemory* const> mems, kimi::Scratch& s) const {
-  const int64_t N = int64_t(ids.size()), D = config_.hidden_size, V = config_.vocab_size;
+  const int64_t N = int64_t(ids.size());
   for (const SequenceMemory* mem : mems)
     for (const runtime::LatentCache& c : mem->latent) c.check_room(1);
-  float* h = grow(s.h, N * D);
-  float* x = grow(s.x, N * D);
-  float* out = grow(s.out, N * D);
-  for (int64_t n = 0; n < N; ++n) std::copy_n(embed_.f32() + int64_t(ids[n]) * D, D, h + n * D);
   std::vector<kimi::KdaState*> states(size_t(N), nullptr);
   std::vector<runtime::LatentCache*> caches(size_t(N), nullptr);
-  const float eps = float(config_.rms_norm_eps);
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    const Layer& l = layers_[i];
-    ops::rms_norm(h, N, D, l.input_norm.f32(), eps, x);
+  const auto mix = [&](size_t i, const Layer& l, const float* x, float* out) {
     if (l.mixer == KimiMixer::kda) {
       for (int64_t n = 0; n < N; ++n) states[size_t(n)] = &mems[size_t(n)]->kda[i];
       kimi::kda_decode_batch(config_, l.kda, x, N, states, out, s);
@@ -292,14 +299,8 @@ Tensor KimiLinearModel::run_batch(std::span<const int32_t> ids,
       }
       kimi::mla_decode_batch(config_, l.mla, x, N, caches, out, s);
     }
-    for (int64_t j = 0; j < N * D; ++j) h[j] += out[j];
-    ops::rms_norm(h, N, D, l.post_norm.f32(), eps, x);
-    kimi::ffn_forward(config_, l.ffn, x, N, out, s);
-    for (int64_t j = 0; j < N * D; ++j) h[j] += out[j];
-  }
-  ops::rms_norm(h, N, D, final_norm_.f32(), eps, x);
-  Tensor logits(DType::f32, {N, V});
-  ops::linear(x, N, D, lm_head_.f32(), V, nullptr, logits.f32());
+  };
+  Tensor logits = stack(ids, N, s, mix);
   for (SequenceMemory* mem : mems) mem->length += 1;
   return logits;
 }
