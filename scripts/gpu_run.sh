@@ -15,13 +15,12 @@
 # --model:  the model path (checks + benchmarks) and the delta-rule kernels' checks only.
 # --lab:    the kernel lab's checks in one call (~5 minutes): kda_gpu_check --check, the
 #           same with KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1 (the wgmma state walks, forward and
-#           reverse, forced on every grid; the default takes them on full grids only), again
-#           with KDA_PREPARE_LEAN_IO=1 too (v27: chunk_prepare's lean I/O), the decode checks with
-#           KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1 (the state fetched before the programmatic
-#           wait; the back-to-back chain check among them), the chunked forward rows with the
-#           defaults, with KDA_PREPARE_LEAN_IO=1 and with the wgmma walk (KDA_LAB_KNOBS: other
-#           ';'-separated knob sets), kda_gpu_train --check (the lineage GPU trainer against the
-#           CPU one) plain and with the wgmma walks, then kda_gpu_train --profile-recall.
+#           reverse, forced on every grid; the default takes them on full grids only), the decode
+#           checks with KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1 (the state fetched before the
+#           programmatic wait; the back-to-back chain check among them), the chunked forward rows
+#           with the defaults and with the wgmma walk (KDA_LAB_KNOBS: other ';'-separated knob
+#           sets), kda_gpu_train --check (the lineage GPU trainer against the CPU one) plain and
+#           with the wgmma walks, then kda_gpu_train --profile-recall.
 # --lab-rows: the experiments' timings only (the next call, ~3 minutes): the chunked rows with
 #           the wgmma walk unpipelined, without the GDN raw path, with GDN's M from chunk_prepare
 #           (KDA_GDN_STATE_M=0), the state walk alone on both walks (KDA_LAB_ROW_KNOBS overrides),
@@ -96,13 +95,6 @@ if [ "$mode" = "--lab" ]; then
     >"$log_dir/lab_check_wgmma.log" 2>&1 || status=1
   grep -E "FAIL|NOTE" "$log_dir/lab_check_wgmma.log" | head -20
   echo "wgmma checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_check_wgmma.log") pass"
-  # v27, chunk_prepare's lean I/O (KDA_PREPARE_LEAN_IO=1): every check again, with the wgmma
-  # walks forced so that the Gated DeltaNet forward takes the path that skips q (m_in_state)
-  echo "== kda_gpu_check --check with KDA_PREPARE_LEAN_IO=1 KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1"
-  KDA_PREPARE_LEAN_IO=1 KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1 timeout 240 \
-    ./build-gpu-app/bin/kda_gpu_check --check >"$log_dir/lab_check_lean_io.log" 2>&1 || status=1
-  grep -E "FAIL|NOTE" "$log_dir/lab_check_lean_io.log" | head -20
-  echo "lean I/O checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_check_lean_io.log") pass"
   # decode: the state fetched before the programmatic wait
   # (KDA_DECODE_PREFETCH, with KDA_DECODE_OVERLAP): the decode checks, the back-to-back chain
   # among them
@@ -111,7 +103,7 @@ if [ "$mode" = "--lab" ]; then
     --decode --check >"$log_dir/lab_decode_check.log" 2>&1 || status=1
   grep -E "FAIL" "$log_dir/lab_decode_check.log" | head -20
   echo "decode checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_decode_check.log") pass"
-  chunk_rows "${KDA_LAB_KNOBS:-;KDA_PREPARE_LEAN_IO=1;KDA_STATE_WGMMA=1}"
+  chunk_rows "${KDA_LAB_KNOBS:-;KDA_STATE_WGMMA=1}"
   echo "== kda_gpu_train --check"
   timeout 240 ./build-gpu-app/bin/kda_gpu_train --check >"$log_dir/lab_train_check.log" 2>&1 ||
     status=1

@@ -266,13 +266,16 @@ def main():
             time_flashkda(flk)
         except Exception as e:  # keep the rest
             print(f"FlashKDA NOT timed ({type(e).__name__}: {str(e)[:300]})", flush=True)
+    flk_lines = []  # also written to --out, after fla's table (a cut-off log cannot lose them)
     if flk:
-        print("\n| op | shape | ours ms | FlashKDA ms | ours/FlashKDA |\n|---|---|---|---|---|")
+        flk_lines = ["", "| op | shape | ours ms | FlashKDA ms | ours/FlashKDA |",
+                     "|---|---|---|---|---|"]
         for (op, shape), ms in flk.items():
             mine = ours.get((op, shape))
             if mine:
-                print(f"| {op} | {shape} | {mine[0]:.4f} | {ms:.4f} | {mine[0] / ms:.2f} |")
-        print(flush=True)
+                flk_lines.append(f"| {op} | {shape} | {mine[0]:.4f} | {ms:.4f} | "
+                                 f"{mine[0] / ms:.2f} |")
+        print("\n".join(flk_lines) + "\n", flush=True)
     fla = {}
     try:
         if args.no_fla:
@@ -297,7 +300,7 @@ def main():
         ratio = f"{ms / f:.2f}" if f else "-"
         lines.append(f"| {op} | {shape} | {ms:.4f} | {fla_s} | {ratio} | "
                      f"{100 * floor_ms / ms:.0f}% ({floor_ms:.4f}) |")
-    table = "\n".join(lines)
+    table = "\n".join(lines + flk_lines)
     print("\n" + table)
     if args.out:
         with open(args.out, "w") as f:

@@ -52,10 +52,6 @@ struct ChunkWorkspace {
   // Gated DeltaNet forward on the wgmma walk (raw_qk too): chunk_state_wgmma forms M from the
   // q, k tiles it holds anyway, so chunk_prepare neither computes nor writes M
   bool m_in_state = false;
-  // chunk_prepare's lean I/O (v27, kernel-lab knob KDA_PREPARE_LEAN_IO=1, set by
-  // launch_chunk_prepare; not yet the default): q is not loaded where nothing reads it (the Gated
-  // DeltaNet forward with m_in_state), and W, U leave through shared memory in whole rows
-  bool lean_io = false;
   // Pipelined forward (chunk_forward.cu): when piece_begin >= 0, chunk_prepare covers and
   // chunk_state walks only the chunks [piece_begin, piece_end) of each sequence (indices within
   // the sequence); otherwise every chunk.
