@@ -18,6 +18,7 @@
 // q, k itself).
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <type_traits>
 
 #include "ops/delta_rule/cuda/chunk_kernels.cuh"
@@ -302,10 +303,21 @@ __global__ void __launch_bounds__(kThreads, 3)
   // 26 units spread over the 8 warps (3 or 4 each): the 10 lower 16x16 blocks (J <= I) of M,
   // the 10 of L, and the 6 upper blocks of M (and A) that are zero. With ws.m_in_state (the
   // state walk forms M) only L's 10 (and A's zero blocks for the backward).
+  // ws.m_staged: M's lower blocks go to smem (sMstage: L's upper blocks, untouched until phase
+  // 4's merges; two bf16 blocks in each fp32 one), and phase 4's idle warps store M in whole
+  // rows (zeros above the diagonal blocks) while warps 0-3 invert the diagonal blocks.
+  const bool m_staged = ws.m_staged && !ws.m_in_state;
+  auto sMstage = [&](int b) {  // M block b = I (I + 1) / 2 + J, J <= I; row stride 2 LDL
+    const int u = b >> 1;      // L's upper blocks (0,1) (0,2) (0,3) (1,2) (1,3): b <= 9
+    const int ui = u < 3 ? 0 : 1, uj = u < 3 ? u + 1 : u - 1;
+    return reinterpret_cast<bf16*>(sL + 16 * ui * LDL + 16 * uj) + 16 * (b & 1);
+  };
+
   {
     const bf16* Bop = kChannel ? sKn : sKs;
     const bool form_m = !ws.m_in_state;
-    const int units = form_m ? 26 : ws.A ? 16 : 10;
+    // with m_staged the zero blocks of M are written by the flush: units 20-25 only for A
+    const int units = form_m ? (m_staged && !ws.A ? 20 : 26) : ws.A ? 16 : 10;
     for (int unit = warp; unit < units; unit += 8) {
       const int u = form_m ? unit : 10 + unit;
       if (u < 20) {
@@ -347,7 +359,11 @@ __global__ void __launch_bounds__(kThreads, 3)
             if (is_m) {
               v0 = j <= r ? v0 * x.scale : 0.f;
               v1 = j + 1 <= r ? v1 * x.scale : 0.f;
-              *reinterpret_cast<uint32_t*>(ws.M + (row_base + r) * C + j) = pack_bf16(v0, v1);
+              if (m_staged)
+                *reinterpret_cast<uint32_t*>(sMstage(b) + (r - 16 * I) * 2 * LDL + j - 16 * J) =
+                    pack_bf16(v0, v1);
+              else
+                *reinterpret_cast<uint32_t*>(ws.M + (row_base + r) * C + j) = pack_bf16(v0, v1);
             } else {
               v0 = j < r ? v0 : 0.f;
               v1 = j + 1 < r ? v1 : 0.f;
@@ -368,7 +384,8 @@ __global__ void __launch_bounds__(kThreads, 3)
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int r = 16 * I + gr + 8 * half, j = 16 * J + 8 * nt + 2 * tq;
-            if (form_m) *reinterpret_cast<uint32_t*>(ws.M + (row_base + r) * C + j) = 0u;
+            if (form_m && !m_staged)
+              *reinterpret_cast<uint32_t*>(ws.M + (row_base + r) * C + j) = 0u;
             if (ws.A) *reinterpret_cast<uint32_t*>(ws.A + (row_base + r) * C + j) = 0u;
           }
         }
@@ -402,6 +419,18 @@ __global__ void __launch_bounds__(kThreads, 3)
     }
 #pragma unroll
     for (int r = 0; r < 16; ++r) sX[(16 * I + r) * LDL + 16 * I + c] = col[r];
+  } else if (m_staged && warp >= 4) {
+    // M out in whole rows, 16 bytes (8 columns) a thread: from the staged block of (I, J) where
+    // J <= I, zeros above; before the merges below reuse L's upper blocks for Y
+    for (int idx = tid - 128; idx < C * C / 8; idx += 128) {
+      const int r = idx / (C / 8), c8 = (idx % (C / 8)) * 8;
+      const int I = r >> 4, J = c8 >> 4;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (J <= I)
+        v = *reinterpret_cast<const uint4*>(sMstage(I * (I + 1) / 2 + J) + (r & 15) * 2 * LDL +
+                                            (c8 & 15));
+      *reinterpret_cast<uint4*>(ws.M + (row_base + r) * C + c8) = v;
+    }
   }
   __syncthreads();
   // Merge stage d: the blocks (I, J) with I - J = d, X(I, J) = -X(I, I) sum_kb L(I, kb) X(kb, J).
@@ -571,7 +600,13 @@ void launch_kv(const ChunkTokens& x, const ChunkWorkspace& ws, int K, int V, cud
 
 void launch_chunk_prepare(const ChunkTokens& x, const ChunkWorkspace& workspace, Gate gate, int K,
                           int V, cudaStream_t stream) {
-  const ChunkWorkspace& ws = workspace;
+  // Kernel-lab knob: KDA_PREPARE_M_STAGED=1 (v28, compiled only so far; ChunkWorkspace::m_staged)
+  static const bool m_staged = [] {
+    const char* knob = std::getenv("KDA_PREPARE_M_STAGED");
+    return knob && knob[0] == '1';
+  }();
+  ChunkWorkspace ws = workspace;
+  ws.m_staged = m_staged;
   if (x.layer.on) {  // chunk_forward allows it for Gate::channel only
     require(gate == Gate::channel, "chunk_prepare: KDA layer options need Gate::channel");
     return launch_kv<Gate::channel, true>(x, ws, K, V, stream);
