@@ -242,6 +242,36 @@ TEST(Tasks, DrawDiscreteMatchesTheStandardDistribution) {
   EXPECT_GT(draws, 10000);
 }
 
+// DrawWithoutReplacement (MQAR's gap sampler, a Fenwick tree) draws what draw_discrete draws
+// over the same weights with each drawn index zeroed: the same index and engine state at every
+// draw, until every index is drawn, over power-law weights (MQAR's, at lengths 64 to 2048) and
+// random ones, and the one- and two-weight edges.
+TEST(Tasks, DrawWithoutReplacementMatchesDrawDiscrete) {
+  std::mt19937_64 weights_rng(11);
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  int64_t draws = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    const size_t n = trial == 0   ? 1
+                     : trial == 1 ? 2
+                     : trial < 10 ? 24 + size_t(trial) * 83
+                                  : 3 + size_t(trial) * 13;
+    std::vector<double> w(n);
+    for (size_t i = 0; i < n; ++i)
+      w[i] = trial % 2 ? uniform(weights_rng) : 0.01 * std::pow(double(i + 1), -0.99);
+    train::DrawWithoutReplacement sampler(w);
+    std::mt19937_64 ours(300 + trial), theirs(300 + trial);
+    for (size_t k = 0; k < (n == 1 ? 3 : n); ++k) {  // one weight: draws nothing, index 0
+      const int64_t expected = train::draw_discrete(w, theirs);
+      const int64_t got = sampler.draw(ours);
+      ASSERT_EQ(got, expected) << "trial " << trial << " draw " << k << " of " << n;
+      ASSERT_EQ(ours(), theirs()) << "engine states diverged";
+      ++draws;
+      if (n > 1) w[size_t(got)] = 0;
+    }
+  }
+  EXPECT_GT(draws, 10000);
+}
+
 TEST(Tasks, StackAndPalindromeTargetsAreRecoverable) {
   for (train::Task task : {train::Task::palindrome, train::Task::stack}) {
     train::TaskSpec spec{task, 50, 40, 0};

@@ -47,6 +47,51 @@ int64_t draw_discrete(const std::vector<double>& weight, std::mt19937_64& rng) {
   return int64_t(last);
 }
 
+DrawWithoutReplacement::DrawWithoutReplacement(const std::vector<double>& weight)
+    : tree_(weight.size() + 1, 0.0), drawn_(weight.size(), 0), n_(int64_t(weight.size())) {
+  for (int64_t i = 1; i <= n_; ++i) {  // O(n) build: each node passes its sum to its parent
+    tree_[i] += weight[i - 1];
+    const int64_t parent = i + (i & -i);
+    if (parent <= n_) tree_[parent] += tree_[i];
+  }
+  top_ = 1;
+  while (top_ * 2 <= n_) top_ *= 2;
+}
+
+int64_t DrawWithoutReplacement::draw(std::mt19937_64& rng) {
+  if (n_ < 2) return 0;  // as draw_discrete: fewer than two weights draw nothing
+  double total = 0;
+  for (int64_t i = n_; i > 0; i -= i & -i) total += tree_[i];
+  const double u = std::generate_canonical<double, std::numeric_limits<double>::digits>(rng);
+  // the smallest index whose prefix sum reaches u * total: descend the tree's powers of two
+  double rest = u * total;
+  int64_t pos = 0;
+  for (int64_t step = top_; step > 0; step >>= 1) {
+    if (pos + step <= n_ && tree_[pos + step] < rest) {
+      pos += step;
+      rest -= tree_[pos];
+    }
+  }
+  // pos is 0-based now; past the end (rounding) or on a drawn index (a residue of the sums): the
+  // nearest index not yet drawn, forward first
+  int64_t index = std::min(pos, n_ - 1);
+  if (drawn_[size_t(index)]) {
+    int64_t next = index;
+    while (next < n_ && drawn_[size_t(next)]) ++next;
+    if (next == n_) {
+      next = index;
+      while (next > 0 && drawn_[size_t(next)]) --next;
+    }
+    index = next;
+  }
+  drawn_[size_t(index)] = 1;
+  double weight = 0;  // the index's weight: its prefix sum minus the previous one
+  for (int64_t i = index + 1; i > 0; i -= i & -i) weight += tree_[i];
+  for (int64_t i = index; i > 0; i -= i & -i) weight -= tree_[i];
+  for (int64_t i = index + 1; i <= n_; i += i & -i) tree_[i] -= weight;
+  return index;
+}
+
 TaskStream::TaskStream(const TaskSpec& spec, uint64_t seed, int split) : spec_(spec) {
   require(spec.seq_len >= 8, "task: seq_len must be at least 8");
   require(spec.vocab >= 4, "task: vocab must be at least 4");
@@ -54,6 +99,12 @@ TaskStream::TaskStream(const TaskSpec& spec, uint64_t seed, int split) : spec_(s
     if (spec_.num_kv == 0) spec_.num_kv = spec_.seq_len / 8;
     require(4 * spec_.num_kv <= spec_.seq_len, "mqar: 4 x num_kv must fit in seq_len");
     require(spec_.num_kv <= spec_.vocab / 2 - 1, "mqar: more pairs than keys in the vocabulary");
+    // query gaps: slots of the query region, power-law weights (short gaps likelier)
+    const int64_t space = (spec_.seq_len + 1 - 2 * spec_.num_kv) / 2;
+    const double alpha = 0.01;
+    gap_weight_.resize(size_t(space));
+    for (int64_t s = 0; s < space; ++s)
+      gap_weight_[size_t(s)] = alpha * std::pow(double(s + 1), alpha - 1);
   }
   // disjoint seed spaces for train and test
   state_ = seed * 2 + uint64_t(split);
@@ -124,17 +175,10 @@ void TaskStream::make_example(uint64_t seed, int32_t* inputs, int32_t* targets) 
       seq[2 * i] = keys[i];
       seq[2 * i + 1] = values[i];
     }
-    // query gaps: distinct slots in the query region, power-law weights (short gaps likelier)
-    const int64_t space = (T + 1 - context) / 2;
-    std::vector<double> weight(space);
-    const double alpha = 0.01;
-    for (int64_t s = 0; s < space; ++s) weight[s] = alpha * std::pow(double(s + 1), alpha - 1);
+    // query gaps: distinct slots in the query region (gap_weight_)
+    DrawWithoutReplacement slots(gap_weight_);
     std::vector<int64_t> gaps;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t g = draw_discrete(weight, rng);
-      gaps.push_back(g);
-      weight[g] = 0;  // without replacement
-    }
+    for (int64_t i = 0; i < n; ++i) gaps.push_back(slots.draw(rng));
     for (int64_t i = 0; i < n; ++i) {
       const int64_t pos = context + 2 * gaps[i];
       seq[pos] = keys[i];

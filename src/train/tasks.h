@@ -38,6 +38,23 @@ struct Batch {
 // a batch of 32 from ~13 to ~28 ms (`kda bench tasks`, docs/PERF.md).
 int64_t draw_discrete(const std::vector<double>& weight, std::mt19937_64& rng);
 
+// Draws without replacement from fixed weights, one index at a time: the draws of
+// draw_discrete over the weights with each drawn index zeroed (the same uniform per draw, the
+// first index whose cumulative weight reaches it), in O(log n) a draw on a Fenwick tree instead
+// of O(n) sums. Only the summation order differs, so a draw could differ where the uniform lands
+// within a rounding of a boundary (a test holds ~10^5 draws equal). MQAR's query gaps at length
+// 2048 took most of its ~13 ms a batch this way (docs/PERF.md).
+class DrawWithoutReplacement {
+ public:
+  explicit DrawWithoutReplacement(const std::vector<double>& weight);
+  int64_t draw(std::mt19937_64& rng);
+
+ private:
+  std::vector<double> tree_;  // 1-based Fenwick sums of the weights not yet drawn
+  std::vector<uint8_t> drawn_;
+  int64_t n_, top_;  // top_: the highest power of two <= n_
+};
+
 class TaskStream {
  public:
   // split 0 = train, 1 = test.
@@ -58,13 +75,14 @@ class TaskStream {
   // Threads that make a batch's examples (a few: recall runs train several cells at once).
   static constexpr int64_t kMaxTaskThreads = 4;
   TaskSpec spec_;
+  std::vector<double> gap_weight_;  // MQAR: the power-law weight of each query slot
   uint64_t state_;
   std::unordered_set<uint64_t> forbidden_;
 };
 
 // A TaskStream whose next batch is made on a second thread while the caller trains on the
-// current one (MQAR's generator takes ~13 ms a batch of 32 at length 2048, the recall models'
-// GPU step 19-22 ms).
+// current one (MQAR's generator took ~13 ms a batch of 32 at length 2048 on one thread before
+// DrawWithoutReplacement, 1.5-3 ms on two now; the recall models' GPU step is ~8-10 ms).
 // The stream is touched by one thread at a time, in order, so the batches are those of the
 // stream itself; position() is where the batch not yet handed out starts (for checkpoints).
 class PrefetchingStream {
