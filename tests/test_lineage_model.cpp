@@ -107,6 +107,50 @@ TEST(LineageModel, KdaDecayStartsSharedWithinEachHead) {
   EXPECT_EQ(gdn_seen, 1);
 }
 
+// --gate-dt-per-channel: KDA's dt drawn per channel (fla's init), within the range, for both
+// gates; Gated DeltaNet keeps one per head (the default's per-head draws:
+// KdaDecayStartsSharedWithinEachHead).
+TEST(LineageModel, KdaDecayPerChannelOption) {
+  const int64_t H = 2, dh = 8;
+  for (const std::string gate : {"softplus", "bounded"}) {
+    LineageConfig shared{32, 16, H, dh, 24, "KG"};
+    shared.kda_gate = gate;
+    LineageConfig per_channel = shared;
+    per_channel.gate_dt_per_channel = true;
+    LineageModel b(per_channel, 7);
+    for (size_t i = 0; i < b.params().size(); ++i) {
+      const train::Param* p = b.params()[i];
+      if (p->name.find("dt_bias") == std::string::npos) continue;
+      const bool kda = p->name.rfind("layers.0.", 0) == 0;
+      const train::Param* A_log = b.params()[i - 1];
+      ASSERT_NE(A_log->name.find("A_log"), std::string::npos);
+      if (!kda) {  // Gated DeltaNet: one draw per head either way
+        ASSERT_EQ(p->value.numel(), H);
+        continue;
+      }
+      std::set<float> channels;
+      for (int64_t c = 0; c < H * dh; ++c) {
+        const double z = double(p->value.f32()[c]);
+        const double alpha = std::exp(double(A_log->value.f32()[c / dh]));
+        // the starting decay rate -g: softplus a sp(b), bounded 5 sigmoid(b) (= a dt, A_log 0)
+        const double rate =
+            gate == "softplus" ? alpha * std::log1p(std::exp(z)) : 5.0 / (1.0 + std::exp(-z));
+        if (gate == "bounded") {
+          EXPECT_EQ(A_log->value.f32()[c / dh], 0.0f);
+        } else {
+          EXPECT_GE(rate / alpha, 0.999e-3);
+          EXPECT_LE(rate / alpha, 1.001e-1);
+        }
+        EXPECT_GT(rate, 0.0);
+        channels.insert(p->value.f32()[c]);
+      }
+      EXPECT_EQ(channels.size(), size_t(H * dh)) << gate << ": every channel draws its own dt";
+    }
+    const nlohmann::json j = train::lineage_config_json(per_channel);
+    EXPECT_TRUE(train::lineage_config_from_json(j).gate_dt_per_channel);
+  }
+}
+
 // The bounded gate (fla's safe gate) is what the KDA layers compute when the config asks for it;
 // unknown gate names are refused.
 TEST(LineageModel, KdaGateOptionChangesTheLayerAndIsValidated) {
@@ -161,6 +205,7 @@ TEST(LineageModel, ConfigJsonKeepsTheGateSettings) {
   const LineageConfig old_back = train::lineage_config_from_json(older);
   EXPECT_EQ(old_back.kda_gate, "softplus");
   EXPECT_EQ(old_back.gate_dt_max, 0.1f);
+  EXPECT_FALSE(old_back.gate_dt_per_channel);
 }
 
 TEST(LineageModel, AdamWFitsAFixedBatch) {

@@ -44,7 +44,7 @@ void print_usage() {
       "                        [--lrs 5e-4,1e-3,3e-3] [--jobs N] [--out DIR] [--batch 32]\n"
       "                        [--device cpu|cuda] [--kda-gate softplus|bounded] [--vocab V]\n"
       "                        [--gate-dt-max 0.1] [--seeds 1] [--continue] [--no-train]\n"
-      "                        [--shard I/N] [--sweep-below A]\n"
+      "                        [--shard I/N] [--sweep-below A] [--gate-dt-per-channel]\n"
       "\n"
       "Trains 2-layer models (2 heads, equal width across mixers) of each kind: softmax, linear,\n"
       "delta, gated_delta, kda and the kda+softmax hybrid, on MQAR (length/8 key-value pairs),\n"
@@ -61,6 +61,8 @@ void print_usage() {
       "--seeds N trains every cell from N seeds (17, 18, ...): a cell's accuracy is the mean over\n"
       "them at the learning rate with the best mean, shown with its min-max; MQAR is learned in\n"
       "a sudden transition, so one seed cannot rank mixers near it.\n"
+      "--gate-dt-per-channel draws KDA's starting decay per channel (fla's init) instead of\n"
+      "once per head.\n"
       "--device cuda trains every cell on the GPU; --jobs N then runs N cells at once on the\n"
       "one GPU, each on its own stream.\n"
       "--shard I/N trains only shard I (0-based) of N of the runs still missing: the runs are\n"
@@ -147,6 +149,7 @@ int cmd_bench_recall(const Args& args) {
   int64_t jobs = 1, batch = 0, vocab_option = 0, seeds = 1;
   std::string device = "cpu", kda_gate = "softplus";
   float gate_dt_max = 0.1f;
+  bool gate_dt_per_channel = false;
   double sweep_below = 2;  // --sweep-below: off (every learning rate of every cell)
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -164,6 +167,10 @@ int cmd_bench_recall(const Args& args) {
     }
     if (a == "--no-train") {
       continue_runs = no_train = true;
+      continue;
+    }
+    if (a == "--gate-dt-per-channel") {
+      gate_dt_per_channel = true;
       continue;
     }
     const std::string value = flag_value(args, i);
@@ -241,14 +248,16 @@ int cmd_bench_recall(const Args& args) {
   const int64_t run_batch = batch > 0 ? batch : quick ? 16 : 32;
   const int64_t test_examples = quick ? 128 : 512;
   // What a finished run must share with this call to be reused by --continue.
-  const nlohmann::json settings = {{"steps", steps},
-                                   {"vocab", vocab},
-                                   {"head_dim", head_dim},
-                                   {"batch", run_batch},
-                                   {"test_examples", test_examples},
-                                   {"kda_gate", kda_gate},
-                                   {"gate_dt_max", gate_dt_max},
-                                   {"device", device}};
+  nlohmann::json settings = {{"steps", steps},
+                             {"vocab", vocab},
+                             {"head_dim", head_dim},
+                             {"batch", run_batch},
+                             {"test_examples", test_examples},
+                             {"kda_gate", kda_gate},
+                             {"gate_dt_max", gate_dt_max},
+                             {"device", device}};
+  // (only when set: the runs of earlier calls, made without it, stay reusable)
+  if (gate_dt_per_channel) settings["gate_dt_per_channel"] = true;
   // Every (task, length, mixer, lr, seed) is one independent training run; --jobs runs that
   // many at once, each single-threaded (small models scale better across runs than inside one).
   struct Cell {
@@ -363,6 +372,7 @@ int cmd_bench_recall(const Args& args) {
       run.model = {vocab, 2 * head_dim, 2, head_dim, 4 * head_dim, c.mixer.pattern};
       run.model.kda_gate = kda_gate;
       run.model.gate_dt_max = gate_dt_max;
+      run.model.gate_dt_per_channel = gate_dt_per_channel;
       run.device = device;
       run.task = {train::parse_task(c.task), vocab, c.T, 0};
       run.lr = c.lr;

@@ -48,7 +48,7 @@ void print_usage() {
       "                 [--save-every N] [--seed S] [--stop-after N]\n"
       "                 [--text PATH --tokenizer TOK [--val-every 10] [--split-paragraphs]]\n"
       "                 [--eval-every N] [--eval-examples N] [--device cpu|cuda]\n"
-      "                 [--kda-gate softplus|bounded] [--gate-dt-max 0.1]\n"
+      "                 [--kda-gate softplus|bounded] [--gate-dt-max 0.1] [--gate-dt-per-channel]\n"
       "       kda train --model CONFIG.json|MODEL_DIR --out DIR [the options above]\n"
       "       kda train --resume DIR [--stop-after N] [--device cpu|cuda]\n"
       "\n"
@@ -64,7 +64,8 @@ void print_usage() {
       "files are the same, so a run may resume on the other device. --kda-gate bounded: KDA's\n"
       "gate -5 sigmoid(...) (fla's safe gate) instead of -exp(A_log) softplus(...); the GPU\n"
       "kernel needs it when gates get strong (no channel may decay by more than e^-80 over 16\n"
-      "tokens).\n"
+      "tokens). --gate-dt-per-channel: KDA's starting decay drawn per channel, as fla's layer\n"
+      "does, instead of once per head.\n"
       "\n"
       "--model trains a Hugging Face architecture instead of a lineage model: a kimi_linear or\n"
       "gpt2 config.json (fresh weights), or a model folder (its weights are the start). DIR is\n"
@@ -99,6 +100,10 @@ int cmd_train(const Args& args) {
     }
     if (a == "--split-paragraphs") {  // a switch: no value
       s.text.split_paragraphs = true;
+      continue;
+    }
+    if (a == "--gate-dt-per-channel") {  // a switch: KDA's dt drawn per channel (fla's init)
+      s.model.gate_dt_per_channel = true;
       continue;
     }
     const std::string v = flag_value(args, i);

@@ -153,23 +153,33 @@ LineageModel::LineageModel(const LineageConfig& config, uint64_t seed) : config_
         // channels specialise in training. fla draws dt per channel; in our 2-layer, head-32
         // models that mix of decay rates inside each head (memories from ~1 to ~1000 tokens) kept
         // KDA from learning MQAR (13.6 % vs 98.8 % at 2000 steps, docs/RECALL.md).
+        // (--gate-dt-per-channel: one draw per KDA channel, as fla does)
         const int64_t per_head = gw / H;
+        const int64_t draws = kind == MixerKind::kda && config.gate_dt_per_channel ? per_head : 1;
         for (int64_t h = 0; h < H; ++h) {
-          const float dt = std::exp(
-              rng.uniform(std::log(config.gate_dt_max / 100.0f), std::log(config.gate_dt_max)));
-          float b = dt + std::log(-std::expm1(-dt));
-          if (kind == MixerKind::kda && config.kda_gate == "bounded") {
-            // The bounded gate lower_bound sigmoid(exp(A_log) (graw + dt_bias)) multiplies the
-            // random projection's noise (graw ~ 0.3 at init) by exp(A_log): at fla's 1..16 the
-            // gate swings between no decay and the bound token by token and KDA learned nothing
-            // (MQAR, docs/RECALL.md). So A_log starts at 0 and dt_bias gives the softplus
-            // gate's starting decay a dt: sigmoid(b) = a dt / |lower_bound|, capped at 90 %.
-            const float a = std::exp(w.A_log->value.f32()[h]);
-            const float p = std::min(0.9f, a * dt / float(-LineageConfig::kKdaLowerBound));
-            b = std::log(p / (1.0f - p));
-            w.A_log->value.f32()[h] = 0.0f;
+          const float a = std::exp(w.A_log->value.f32()[h]);
+          for (int64_t c = 0; c < draws; ++c) {
+            const float dt = std::exp(
+                rng.uniform(std::log(config.gate_dt_max / 100.0f), std::log(config.gate_dt_max)));
+            float b = dt + std::log(-std::expm1(-dt));
+            if (kind == MixerKind::kda && config.kda_gate == "bounded") {
+              // The bounded gate lower_bound sigmoid(exp(A_log) (graw + dt_bias)) multiplies the
+              // random projection's noise (graw ~ 0.3 at init) by exp(A_log): at fla's 1..16 the
+              // gate swings between no decay and the bound token by token and KDA learned
+              // nothing (MQAR, docs/RECALL.md). So A_log starts at 0 and dt_bias gives the
+              // softplus gate's starting decay a dt: sigmoid(b) = a dt / |lower_bound|, capped
+              // at 90 %.
+              const float p = std::min(0.9f, a * dt / float(-LineageConfig::kKdaLowerBound));
+              b = std::log(p / (1.0f - p));
+            }
+            float* bias = w.dt_bias->value.f32() + h * per_head;
+            if (draws == 1)
+              std::fill_n(bias, per_head, b);
+            else
+              bias[c] = b;
           }
-          std::fill_n(w.dt_bias->value.f32() + h * per_head, per_head, b);
+          if (kind == MixerKind::kda && config.kda_gate == "bounded")
+            w.A_log->value.f32()[h] = 0.0f;
         }
       }
       const bool all_softmax = config.pattern.find_first_not_of('A') == std::string::npos;

@@ -40,6 +40,9 @@ struct LineageConfig {
   // [gate_dt_max / 100, gate_dt_max] per head (fla: 0.1, so up to e^-1.6 a token with
   // exp(A_log) = 16). Smaller values start the gates near DeltaNet (little forgetting).
   float gate_dt_max = 0.1f;
+  // KDA's dt drawn per channel (fla's KimiDeltaAttention init) instead of once per head (our
+  // default: KDA starts as Gated DeltaNet does, docs/RECALL.md)
+  bool gate_dt_per_channel = false;
   static constexpr double kKdaLowerBound = -5.0;
   ops::KdaOptions kda_options() const;
   void validate() const;

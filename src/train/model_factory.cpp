@@ -13,11 +13,17 @@ namespace kda::train {
 using json = nlohmann::json;
 
 json lineage_config_json(const LineageConfig& c) {
-  return {{"model_type", "kda_lineage"}, {"vocab_size", c.vocab},
-          {"hidden_size", c.width},      {"num_heads", c.heads},
-          {"head_dim", c.head_dim},      {"intermediate_size", c.mlp_hidden},
-          {"layer_pattern", c.pattern},  {"rms_norm_eps", c.norm_eps},
-          {"kda_gate", c.kda_gate},      {"gate_init_dt_max", c.gate_dt_max}};
+  return {{"model_type", "kda_lineage"},
+          {"vocab_size", c.vocab},
+          {"hidden_size", c.width},
+          {"num_heads", c.heads},
+          {"head_dim", c.head_dim},
+          {"intermediate_size", c.mlp_hidden},
+          {"layer_pattern", c.pattern},
+          {"rms_norm_eps", c.norm_eps},
+          {"kda_gate", c.kda_gate},
+          {"gate_init_dt_max", c.gate_dt_max},
+          {"gate_init_dt_per_channel", c.gate_dt_per_channel}};
 }
 
 LineageConfig lineage_config_from_json(const json& j) {
@@ -27,6 +33,7 @@ LineageConfig lineage_config_from_json(const json& j) {
                   j.at("rms_norm_eps")};
   c.kda_gate = j.value("kda_gate", std::string("softplus"));  // both absent in older checkpoints
   c.gate_dt_max = j.value("gate_init_dt_max", 0.1f);
+  c.gate_dt_per_channel = j.value("gate_init_dt_per_channel", false);
   return c;
 }
 
