@@ -130,11 +130,39 @@ void check_against_cpu(const std::string& dir, const std::string& tag, int64_t t
       ours.insert(ours.end(), step.begin(), step.end());
     }
     report(tally, name + " prefill+decode logits vs CPU", rel_error(ours, want), tol);
+
+    // A snapshot after the prefill (Session::clone, what kda serve's prefix cache keeps): the
+    // copy decodes the rest as the CPU does, and the original, fed after it, the same.
+    auto base = gpu->start_session(tokens);
+    base->feed(std::span<const int32_t>(ids).first(size_t(prefill)));
+    const std::unique_ptr<model::Session> copy = base->clone();
+    if (!copy) {
+      std::printf("CHECK %-60s FAIL (clone returned nothing)\n", (name + " clone").c_str());
+      tally.failed++;
+      continue;
+    }
+    std::vector<double> from_copy, from_base;
+    for (int64_t t = prefill; t < tokens; ++t) {
+      const std::span<const int32_t> one = std::span<const int32_t>(ids).subspan(size_t(t), 1);
+      const std::vector<double> a = widen(copy->feed(one));
+      from_copy.insert(from_copy.end(), a.begin(), a.end());
+    }
+    for (int64_t t = prefill; t < tokens; ++t) {
+      const std::span<const int32_t> one = std::span<const int32_t>(ids).subspan(size_t(t), 1);
+      const std::vector<double> b = widen(base->feed(one));
+      from_base.insert(from_base.end(), b.begin(), b.end());
+    }
+    const std::vector<double> want_tail(want.begin() + prefill * cpu->vocab_size(), want.end());
+    report(tally, name + " clone after prefill, decode vs CPU", rel_error(from_copy, want_tail),
+           tol);
+    report(tally, name + " original after its clone, decode vs CPU",
+           rel_error(from_base, want_tail), tol);
   }
 }
 
 void run_model_checks(const SuiteOptions& options, Tally& tally) {
   if (!options.check) return;
+  setenv("KDA_CUDA_CLONE", "1", 1);  // the CUDA sessions' copy is still behind its knob
   // The embedded default (softplus gate), and a copy whose config bounds the gate (fla's safe
   // gate, lower bound -5: the bf16 prefill then runs the chunked tensor-core kernel).
   const fs::path mini = "models/kimi-mini";

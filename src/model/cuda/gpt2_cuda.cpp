@@ -46,6 +46,7 @@ class Gpt2CudaSession final : public Session {
   int64_t length() const override { return length_; }
   int64_t max_context() const override { return max_context_; }
   MemoryReport memory() const override;
+  std::unique_ptr<Session> clone() const override;
 
  private:
   Tensor run(std::span<const int32_t> ids, bool last_only);
@@ -207,6 +208,21 @@ Gpt2CudaSession::Gpt2CudaSession(const Gpt2Cuda& model, int64_t max_context)
     keys_.emplace_back(bytes);
     values_.emplace_back(bytes);
   }
+}
+
+// A snapshot: a new session with the key and value rows written so far, copied on the device.
+std::unique_ptr<Session> Gpt2CudaSession::clone() const {
+  if (!cuda_clone_enabled()) return nullptr;
+  k::check_cuda(cudaStreamSynchronize(device_.stream()), "gpt2 (cuda): clone");
+  auto copy = std::make_unique<Gpt2CudaSession>(model_, max_context_);
+  const size_t bytes = size_t(length_ * model_.config().embd) * k::element_bytes(model_.type());
+  for (size_t l = 0; l < keys_.size(); ++l) {
+    copy_device_bytes(copy->keys_[l], keys_[l], bytes, copy->device_.stream());
+    copy_device_bytes(copy->values_[l], values_[l], bytes, copy->device_.stream());
+  }
+  copy->length_ = length_;
+  k::check_cuda(cudaStreamSynchronize(copy->device_.stream()), "gpt2 (cuda): clone");
+  return copy;
 }
 
 MemoryReport Gpt2CudaSession::memory() const {

@@ -58,6 +58,14 @@ class SessionDevice {
   std::unique_ptr<Context> ctx_;
 };
 
+// Session::clone on the GPU (kernel-lab knob KDA_CUDA_CLONE=1 until kda_gpu_model has checked it
+// on the device: the sessions return nullptr without it, as before, and kda serve then keeps no
+// prefix snapshots).
+bool cuda_clone_enabled();
+// The first `bytes` of `src` into `dst` (device to device, on `stream`; nothing when 0).
+void copy_device_bytes(DeviceBuffer& dst, const DeviceBuffer& src, size_t bytes,
+                       cudaStream_t stream);
+
 // Grows `b` to hold n elements of `bytes_each` bytes and returns its memory as T*.
 template <class T = float>
 T* take(DeviceBuffer& b, int64_t n, size_t bytes_each = sizeof(T)) {

@@ -40,6 +40,7 @@ class KimiCudaSession final : public Session {
   int64_t length() const override { return length_; }
   int64_t max_context() const override { return max_context_; }
   MemoryReport memory() const override;
+  std::unique_ptr<Session> clone() const override;
 
  private:
   Tensor run(std::span<const int32_t> ids, bool last_only);
@@ -265,6 +266,28 @@ KimiCudaSession::~KimiCudaSession() {
   if (pinned_logits_) cudaFreeHost(pinned_logits_);
   device_.ctx().timer.report("kimi_linear (cuda) session of " + std::to_string(length_) +
                              " tokens");
+}
+
+// A snapshot: a new session (its own stream, buffers and graph) with this one's KDA states and
+// conv windows and the latent rows written so far, copied on the device.
+std::unique_ptr<Session> KimiCudaSession::clone() const {
+  if (!cuda_clone_enabled()) return nullptr;
+  k::check_cuda(cudaStreamSynchronize(device_.stream()), "kimi_linear (cuda): clone");
+  auto copy = std::make_unique<KimiCudaSession>(model_, max_context_);
+  const cudaStream_t stream = copy->device_.stream();
+  const size_t row_bytes =
+      size_t(model_.config().mla_row_width()) * k::element_bytes(model_.type());
+  for (size_t i = 0; i < kda_.size(); ++i) {
+    copy_device_bytes(copy->kda_[i].recurrent, kda_[i].recurrent, kda_[i].recurrent.bytes(),
+                      stream);
+    copy_device_bytes(copy->kda_[i].conv, kda_[i].conv, kda_[i].conv.bytes(), stream);
+    copy_device_bytes(copy->latent_[i].rows, latent_[i].rows, size_t(latent_[i].length) * row_bytes,
+                      stream);
+    copy->latent_[i].length = latent_[i].length;
+  }
+  copy->length_ = length_;
+  k::check_cuda(cudaStreamSynchronize(stream), "kimi_linear (cuda): clone");
+  return copy;
 }
 
 MemoryReport KimiCudaSession::memory() const {
