@@ -131,7 +131,7 @@ if [ "$mode" = "--lab" ]; then
     grep -E "RACECHECK SUMMARY|Race reported" "$log_dir/lab_racecheck.log" | head -4
     # shellcheck disable=SC2086
     env $knobs timeout 120 ./build-gpu-app/bin/kda_gpu_check --decode --bench 2>&1 |
-      grep -E "BENCH decode (kda|gdn) B=16 (auto|same)"
+      grep -E "BENCH decode (kda|gdn) B=16 (auto|graph|same)"
   done
   chunk_rows "${KDA_LAB_KNOBS:-;KDA_PREPARE_M_STAGED=1;KDA_PREPARE_M_STAGED=1 KDA_GDN_STATE_M=0;;KDA_GDN_STATE_M=0}"
   if [ "${KDA_LAB_TRAIN:-0}" != "1" ]; then
@@ -166,7 +166,7 @@ if [ "$mode" = "--lab-rows" ]; then
     echo "== decode rows with: ${knobs:-(defaults)}"
     # shellcheck disable=SC2086
     env $knobs timeout 120 ./build-gpu-app/bin/kda_gpu_check --decode --bench 2>&1 |
-      grep -E "BENCH decode (kda|gdn) B=(16|128) (auto|same)|BENCH decode kda B=16 tokens"
+      grep -E "BENCH decode (kda|gdn) B=(16|128) (auto|graph|same)|BENCH decode kda B=16 tokens"
   done
   exit 0
 fi

@@ -28,7 +28,8 @@
 //   with the layer options) at H = 32, K = V = 128 for 8x2048, 2x8192, 1x65536, forward +
 //   backward on the same shapes (KDA also with the layer options; the training pair, and the
 //   plain forward with a recomputing backward: the `_recompute` rows), and decode for B = 1, 16,
-//   64, 128: the automatic choice, the tile and the head kernel, and the same-size ceilings
+//   64, 128: the automatic choice, the tile and the head kernel, the automatic choice replayed
+//   from a CUDA graph of 16 steps (plain launches, and programmatic), the same-size ceilings
 //   (decode_state_copy: the step's state bytes copied in place; cudaMemcpyAsync of as many
 //   bytes), all over slot sets rotating through a 2 GiB pool (no L2 reuse between calls).
 //   KDA_BENCH_ONLY=kda: the KDA chunked rows alone (=chunk: KDA and GDN). KDA_DECODE_OVERLAP=1:
@@ -1230,6 +1231,33 @@ struct Timer {
   }
 };
 
+// A decode step replayed from a CUDA graph, as the models' decode runs (there one graph a step):
+// 16 consecutive steps over the rotating slot sets (step i: set i % sets) captured once, a
+// replay timed as 16 steps. The launches come from the GPU, so between steps only the kernels'
+// own ramp and tail remain (with a.overlap_launch, programmatic edges overlap even those).
+double decode_graph_step_ms(cuda::DecodeArgs a, const int32_t* slot_sets, int sets, int64_t B,
+                            Timer& timer) {
+  constexpr int kSteps = 16;
+  cudaStream_t stream = nullptr;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "graph stream");
+  ck(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+  for (int i = 0; i < kSteps; ++i) {
+    a.slots = slot_sets + size_t(i % sets) * B;
+    cuda::decode_step(a, stream);
+  }
+  ck(cudaStreamEndCapture(stream, &graph), "end capture");
+  ck(cudaGraphInstantiate(&exec, graph, 0), "graph instantiate");
+  const double ms =
+      timer.median_ms([&](int) { ck(cudaGraphLaunch(exec, nullptr), "graph launch"); }, 3, 20) /
+      kSteps;
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  return ms;
+}
+
 // Two chunked forwards and backwards (KDA, 8 x 2048, H = 32) and two decode steps (B = 16),
 // for ncu.
 void run_profile() {
@@ -1595,17 +1623,32 @@ void run_bench(const std::string& out_path) {
                "same-size copy");
           },
           5, 30, 10);
+      // (the head or tile kernel as `automatic` picks; plain launches, then programmatic ones)
+      const double graph_ms = decode_graph_step_ms(a, slots_dev.as<int32_t>(), sets, B, timer);
+      double graph_pdl_ms = 0;
+      try {
+        cuda::DecodeArgs chained = a;
+        chained.overlap_launch = true;
+        graph_pdl_ms = decode_graph_step_ms(chained, slots_dev.as<int32_t>(), sets, B, timer);
+      } catch (const std::exception& e) {
+        std::printf("NOTE  decode graph with programmatic launch not timed: %s\n", e.what());
+        cudaGetLastError();
+      }
       const double bytes = 2.0 * double(state_bytes);
       const double ceiling_ms = std::min(copy_ms, memcpy_ms);  // the faster same-size copy
       auto tbs = [&](double t) { return bytes / (t * 1e-3) / 1e12; };
-      const std::pair<const char*, double> rows[] = {
-          {"auto", ms}, {"tile", tile_ms}, {"head", head_ms}};
+      const std::pair<const char*, double> rows[] = {{"auto", ms},
+                                                     {"tile", tile_ms},
+                                                     {"head", head_ms},
+                                                     {"graph", graph_ms},
+                                                     {"graph+pdl", graph_pdl_ms}};
       for (const auto& [name, t] : rows)
-        std::printf(
-            "BENCH decode %s B=%lld %s: %.4f ms, state %.2f TB/s = %.0f%% of copy, %.0f%% of the "
-            "same-size copy\n",
-            gate_name(gate), (long long)B, name, t, tbs(t), 100 * tbs(t) / copy_tbs,
-            100 * ceiling_ms / t);
+        if (t > 0)
+          std::printf(
+              "BENCH decode %s B=%lld %s: %.4f ms, state %.2f TB/s = %.0f%% of copy, %.0f%% of the "
+              "same-size copy\n",
+              gate_name(gate), (long long)B, name, t, tbs(t), 100 * tbs(t) / copy_tbs,
+              100 * ceiling_ms / t);
       std::printf(
           "BENCH decode %s B=%lld same-size copies (%.1f MB read + written; the faster is the "
           "ceiling): in-place state copy %.4f ms (%.2f TB/s = %.0f%% of copy), cudaMemcpyAsync "
@@ -1620,6 +1663,11 @@ void run_bench(const std::string& out_path) {
           << "\n";
       out << "decode_" << gate_name(gate) << "_head\tB" << B << "\t" << head_ms << "\t" << floor_ms
           << "\n";
+      out << "decode_" << gate_name(gate) << "_graph\tB" << B << "\t" << graph_ms << "\t"
+          << floor_ms << "\n";
+      if (graph_pdl_ms > 0)
+        out << "decode_" << gate_name(gate) << "_graph_pdl\tB" << B << "\t" << graph_pdl_ms << "\t"
+            << floor_ms << "\n";
       if (gate == Gate::channel)
         out << "decode_same_size_copy\tB" << B << "\t" << ceiling_ms << "\t" << floor_ms << "\n";
     }
