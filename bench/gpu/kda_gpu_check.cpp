@@ -1243,12 +1243,22 @@ double decode_graph_step_ms(cuda::DecodeArgs a, const int32_t* slot_sets, int se
   cudaGraphExec_t exec = nullptr;
   ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "graph stream");
   ck(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
-  for (int i = 0; i < kSteps; ++i) {
-    a.slots = slot_sets + size_t(i % sets) * B;
-    cuda::decode_step(a, stream);
+  try {
+    for (int i = 0; i < kSteps; ++i) {
+      a.slots = slot_sets + size_t(i % sets) * B;
+      cuda::decode_step(a, stream);
+    }
+    ck(cudaStreamEndCapture(stream, &graph), "end capture");
+    ck(cudaGraphInstantiate(&exec, graph, 0), "graph instantiate");
+  } catch (...) {  // end the capture (else this thread's later syncs fail), then report
+    cudaGraph_t partial = nullptr;
+    cudaStreamEndCapture(stream, &partial);
+    if (partial) cudaGraphDestroy(partial);
+    if (graph) cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+    cudaGetLastError();
+    throw;
   }
-  ck(cudaStreamEndCapture(stream, &graph), "end capture");
-  ck(cudaGraphInstantiate(&exec, graph, 0), "graph instantiate");
   const double ms =
       timer.median_ms([&](int) { ck(cudaGraphLaunch(exec, nullptr), "graph launch"); }, 3, 20) /
       kSteps;
