@@ -135,6 +135,26 @@ void check_against_cpu(const std::string& dir, const std::string& tag, int64_t t
     // copy decodes the rest as the CPU does, and the original, fed after it, the same.
     auto base = gpu->start_session(tokens);
     base->feed(std::span<const int32_t>(ids).first(size_t(prefill)));
+    // decode_batch with its steps side by side on the sessions' streams (KDA_CUDA_DECODE_BATCH):
+    // two sequences 9 tokens apart, 8 steps (eager, captured, then graph launches), each row
+    // against the CPU's logits at its position.
+    {
+      auto s0 = gpu->start_session(tokens), s1 = gpu->start_session(tokens);
+      const int64_t p0 = prefill, p1 = prefill - 9, V = cpu->vocab_size();
+      s0->feed(std::span<const int32_t>(ids).first(size_t(p0)));
+      s1->feed(std::span<const int32_t>(ids).first(size_t(p1)));
+      std::vector<double> got, expect;
+      for (int64_t t = 0; t < 8; ++t) {
+        model::Session* both[2] = {s0.get(), s1.get()};
+        const int32_t step_ids[2] = {ids[size_t(p0 + t)], ids[size_t(p1 + t)]};
+        const std::vector<double> rows = widen(gpu->decode_batch(both, step_ids));
+        got.insert(got.end(), rows.begin(), rows.end());
+        for (const int64_t pos : {p0 + t, p1 + t})
+          expect.insert(expect.end(), want.begin() + pos * V, want.begin() + (pos + 1) * V);
+      }
+      report(tally, name + " decode_batch of 2 (side by side) vs CPU", rel_error(got, expect), tol);
+    }
+
     const std::unique_ptr<model::Session> copy = base->clone();
     if (!copy) {
       std::printf("CHECK %-60s FAIL (clone returned nothing)\n", (name + " clone").c_str());
@@ -162,7 +182,8 @@ void check_against_cpu(const std::string& dir, const std::string& tag, int64_t t
 
 void run_model_checks(const SuiteOptions& options, Tally& tally) {
   if (!options.check) return;
-  setenv("KDA_CUDA_CLONE", "1", 1);  // the CUDA sessions' copy is still behind its knob
+  setenv("KDA_CUDA_CLONE", "1", 1);         // the CUDA sessions' copy is still behind its knob
+  setenv("KDA_CUDA_DECODE_BATCH", "1", 1);  // and so is Kimi Linear's side-by-side decode_batch
   // The embedded default (softplus gate), and a copy whose config bounds the gate (fla's safe
   // gate, lower bound -5: the bf16 prefill then runs the chunked tensor-core kernel).
   const fs::path mini = "models/kimi-mini";

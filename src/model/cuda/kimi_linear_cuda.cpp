@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "core/token_ids.h"
@@ -42,10 +43,21 @@ class KimiCudaSession final : public Session {
   MemoryReport memory() const override;
   std::unique_ptr<Session> clone() const override;
 
+  // A decode step in two halves, for KimiLinearCuda::decode_batch: begin_decode queues the step
+  // on this session's stream (a graph launch once captured) without waiting; end_decode waits
+  // for it and returns its logits [1, V]. The id is checked by the caller.
+  void begin_decode(int32_t id);
+  Tensor end_decode();
+  bool of_model(const KimiLinearCuda& model) const { return &model_ == &model; }
+  bool graphs() const { return graphs_; }
+
  private:
   Tensor run(std::span<const int32_t> ids, bool last_only);
   // One token through a CUDA graph of the whole step (see decode_step in the .cpp).
-  Tensor decode_step(int32_t id);
+  Tensor decode_step(int32_t id) {
+    begin_decode(id);
+    return end_decode();
+  }
   void drop_graph();
 
   const KimiLinearCuda& model_;
@@ -92,6 +104,8 @@ class KimiLinearCuda final : public CausalLM {
   std::unique_ptr<Session> start_session(int64_t max_context) const override {
     return std::make_unique<KimiCudaSession>(*this, max_context);
   }
+  Tensor decode_batch(std::span<Session* const> sessions,
+                      std::span<const int32_t> ids) const override;
 
   const KimiLinearConfig& config() const { return config_; }
   ElementType type() const { return type_; }
@@ -331,8 +345,7 @@ Tensor KimiCudaSession::run(std::span<const int32_t> ids, bool last_only) {
 // GPU from the graph instead of one by one from the host. The graph is fixed, so what changes
 // per step lives in device memory: the token id, and the length the MLA layers append at and
 // attend over (attention planned for up to graph_plan_ keys).
-Tensor KimiCudaSession::decode_step(int32_t id) {
-  const int64_t V = model_.vocab_size();
+void KimiCudaSession::begin_decode(int32_t id) {
   const int64_t plan = graph_plan_keys(length_ + 1, max_context_);
   int32_t* ids_device = take<int32_t>(device_.ctx().s.ids, 1);
   pinned_[0] = id;
@@ -365,10 +378,53 @@ Tensor KimiCudaSession::decode_step(int32_t id) {
     eager_plan_ = plan;
   }
   device_.ctx().length_device = nullptr;
+}
+
+Tensor KimiCudaSession::end_decode() {
+  const int64_t V = model_.vocab_size();
   k::check_cuda(cudaStreamSynchronize(device_.stream()), "kimi_linear (cuda) decode step");
   length_ += 1;
   Tensor logits(DType::f32, {1, V});
   std::copy_n(pinned_logits_, V, logits.f32());
+  return logits;
+}
+
+// Every sequence's step queued on its own stream before any is waited for, so that the N steps
+// (graph launches) run side by side on the GPU instead of one after another; then the logits in
+// order. Kernel-lab knob KDA_CUDA_DECODE_BATCH=1 until kda_gpu_model's check of it has run on
+// the device; without it (or for sessions decoding without graphs) the default loop.
+Tensor KimiLinearCuda::decode_batch(std::span<Session* const> sessions,
+                                    std::span<const int32_t> ids) const {
+  static const bool enabled = [] {
+    const char* knob = std::getenv("KDA_CUDA_DECODE_BATCH");
+    return knob && knob[0] == '1';
+  }();
+  std::vector<KimiCudaSession*> ours;
+  for (Session* s : sessions) {
+    auto* session = dynamic_cast<KimiCudaSession*>(s);
+    if (!enabled || !session || !session->of_model(*this) || !session->graphs())
+      return CausalLM::decode_batch(sessions, ids);
+    ours.push_back(session);
+  }
+  check_decode_batch(*this, sessions, ids);
+  const int64_t V = vocab_size();
+  Tensor logits(DType::f32, {int64_t(ours.size()), V});
+  size_t begun = 0;
+  try {
+    for (; begun < ours.size(); ++begun) ours[begun]->begin_decode(ids[begun]);
+  } catch (...) {  // wait for the steps already queued: nothing left running behind an error
+    for (size_t n = 0; n < begun; ++n) {
+      try {
+        ours[n]->end_decode();
+      } catch (...) {
+      }
+    }
+    throw;
+  }
+  for (size_t n = 0; n < ours.size(); ++n) {
+    const Tensor row = ours[n]->end_decode();
+    std::copy_n(row.f32(), V, logits.f32() + int64_t(n) * V);
+  }
   return logits;
 }
 
