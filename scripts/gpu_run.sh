@@ -12,7 +12,9 @@
 #                       --lab-rows]
 #
 # --no-fla: everything but timing fla (a quicker call).
-# --model:  the model path (checks + benchmarks) and the delta-rule kernels' checks only.
+# --model:  the model path (checks + benchmarks) and the delta-rule kernels' checks only; then
+#           the kda binary on the GPU (verify, run, and bench decode --device cuda with and
+#           without KDA_CUDA_DECODE_BATCH=1).
 # --lab:    the kernel lab's checks in one call (~7 minutes): kda_gpu_check --check, the
 #           same with KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1 (the wgmma state walks, forward and
 #           reverse, forced on every grid; the default takes them on full grids only), the decode
@@ -314,6 +316,14 @@ if [ "$mode" = "--model" ] && [ -d gpu_carry/pcre2 ]; then
     ./build-gpu-app/bin/kda run -m models/kimi-mini -p "The jury said that the city" -n 48 \
       --temp 0.8 --top-k 40 --seed 1 2>&1
     echo
+    # decode of several sequences a step on the GPU: one after another (the default), and side
+    # by side on their streams (KDA_CUDA_DECODE_BATCH=1)
+    for knobs in "" "KDA_CUDA_DECODE_BATCH=1"; do
+      echo "== kda bench decode --device cuda --batch 4,16 with: ${knobs:-(defaults)}"
+      # shellcheck disable=SC2086
+      env $knobs timeout 120 ./build-gpu-app/bin/kda bench decode --device cuda --batch 4,16 \
+        --out "$log_dir/decode_gpu" 2>&1 | grep -E "^decode|^prompt|^prefill"
+    done
   else
     grep -E "error" -A3 "$log_dir/configure_app.log" "$log_dir/build_app.log" | head -30
     model_status=1

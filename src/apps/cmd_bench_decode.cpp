@@ -3,7 +3,8 @@
 // Linear folder, loads it through load_causal_lm, prefills a prompt, decodes token by token
 // through Session::feed_last, and compares the decode rate with the bandwidth floor: the bytes
 // one decoded token must read (the active weights as held in memory, the KDA states read and
-// written, the MLA latent cache read) over the measured read rate.
+// written, the MLA latent cache read) over the measured read rate. With --device cuda the same
+// decode rows on the GPU model (tokens/s and the bytes' rate; the host's floor does not apply).
 #include <omp.h>
 #include <unistd.h>
 
@@ -21,6 +22,7 @@
 
 #include "apps/bench_util.h"
 #include "apps/commands.h"
+#include "apps/model_device.h"
 #include "core/blas.h"
 #include "core/dtype.h"
 #include "core/error.h"
@@ -44,6 +46,7 @@ void print_usage() {
       "                        [--top-k 4] [--moe-intermediate 256] [--prompt 128] [--decode 64]\n"
       "                        [--prefill 512] [--batch 4,16] [--reps 3] [--bandwidth-mib 1024]\n"
       "                        [--bf16] [--tiny] [--dir DIR] [--out DIR]\n"
+      "                        [--device cpu|cuda] [--dtype bf16|fp32]\n"
       "\n"
       "Measures the memory bandwidth (streaming reads on 1 and all threads, a copy), then a\n"
       "synthetic-weight Kimi Linear (layers in a 3:1 KDA:MLA pattern, a dense first layer, MoE\n"
@@ -54,6 +57,8 @@ void print_usage() {
       "The weights go to DIR (kept, and reused when its config.json matches; default: a\n"
       "temporary folder in /dev/shm, removed once loaded); --bf16 stores them as bf16 (the\n"
       "engine still holds fp32). --tiny: a seconds-long smoke configuration.\n"
+      "--device cuda: the same decode rows with the model on the GPU (CUDA builds; --dtype for\n"
+      "its weights): tokens/s and the rate of the fp32 bytes, no host-memory floor.\n"
       "Writes decode.md and decode.csv to --out (default out/bench).");
 }
 
@@ -65,6 +70,7 @@ struct Options {
   std::vector<int64_t> batches = {4, 16};
   int reps = 3;
   bool bf16 = false;
+  ModelDevice device;  // --device cuda [--dtype bf16|fp32]: the model on the GPU
   std::string dir, out_dir = "out/bench";
 };
 
@@ -377,6 +383,10 @@ Options parse_options(const Args& args, bool& help) {
       o.batches = parse_int_list(value, a);
     } else if (a == "--reps") {
       o.reps = int(parse_int(value, a));
+    } else if (a == "--device") {
+      parse_device(value, o.device);
+    } else if (a == "--dtype") {
+      parse_dtype(value, o.device);
     } else if (a == "--dir") {
       o.dir = value;
     } else if (a == "--out") {
@@ -419,7 +429,8 @@ int cmd_bench_decode(const Args& args) {
   const int bw_reps = std::max(o.reps, 3), threads = hardware_threads();
   double read_one = 0, read_all = 0, read_token = 0, copy_all = 0;
   int64_t token_bytes = 0;
-  {
+  const bool gpu = o.device.cuda;  // no host-memory floor: the GPU's rows are rates only
+  if (!gpu) {
     const BandwidthProbe probe(o.bandwidth_mib);
     read_one = probe.read_gbs(bw_reps, 1, probe.bytes());
     read_all = probe.read_gbs(bw_reps, threads, probe.bytes());
@@ -428,10 +439,11 @@ int cmd_bench_decode(const Args& args) {
     copy_all = probe.copy_gbs(bw_reps);
   }
   const double read_best = std::max(read_one, read_all);
-  std::printf(
-      "memory bandwidth over %lld MiB, best of %d: read %.1f GB/s (1 thread), %.1f GB/s (%d "
-      "threads); copy %.1f GB/s (read + written)\n",
-      (long long)o.bandwidth_mib, bw_reps, read_one, read_all, threads, copy_all);
+  if (!gpu)
+    std::printf(
+        "memory bandwidth over %lld MiB, best of %d: read %.1f GB/s (1 thread), %.1f GB/s (%d "
+        "threads); copy %.1f GB/s (read + written)\n",
+        (long long)o.bandwidth_mib, bw_reps, read_one, read_all, threads, copy_all);
 
   const bool temporary = o.dir.empty();
   const std::string dir =
@@ -460,7 +472,7 @@ int cmd_bench_decode(const Args& args) {
   if (!reused) write_model(o, dir);
   const double write_s = write_clock.seconds();
   Stopwatch load_clock;
-  const std::unique_ptr<model::CausalLM> lm = model::load_causal_lm(dir);
+  const std::unique_ptr<model::CausalLM> lm = load_model_on(dir, o.device);
   const double load_s = load_clock.seconds();
   const double stored_bytes = double(fs::file_size(dir + "/model.safetensors"));
   folder.remove();  // the model holds its own fp32 copy
@@ -470,7 +482,7 @@ int cmd_bench_decode(const Args& args) {
       "  %lld layers (%lld KDA, %lld MLA; layer 1 dense MLP, MoE after), hidden %lld, vocab %lld,"
       "\n  KDA %lld heads x %lld, MLA %lld heads (nope %lld, rope %lld, v %lld, kv_lora %lld),\n"
       "  MoE %lld experts x %lld, top-%lld + %lld shared; params %s total, %s active per token;\n"
-      "  weights %s in memory (fp32), folder %s %s in %.1f s (%s), loaded in %.1f s\n",
+      "  weights %s in memory (%s), folder %s %s in %.1f s (%s), loaded in %.1f s\n",
       (long long)config.num_layers, (long long)config.count(model::KimiMixer::kda),
       (long long)config.count(model::KimiMixer::mla), (long long)config.hidden_size,
       (long long)config.vocab_size, (long long)config.kda_heads, (long long)config.kda_head_dim,
@@ -480,8 +492,8 @@ int cmd_bench_decode(const Args& args) {
       (long long)config.moe_intermediate, (long long)config.top_k,
       (long long)config.num_shared_experts, millions(info.total_params).c_str(),
       millions(info.active_params).c_str(), human_bytes(double(lm->weight_bytes())).c_str(),
-      human_bytes(stored_bytes).c_str(), reused ? "reused" : "written", write_s,
-      o.bf16 ? "bf16" : "fp32", load_s);
+      gpu ? o.device.describe().c_str() : "cpu fp32", human_bytes(stored_bytes).c_str(),
+      reused ? "reused" : "written", write_s, o.bf16 ? "bf16" : "fp32", load_s);
 
   // Token ids from a fixed hash: the same prompt every rep.
   auto ids_of = [&](int64_t n, uint64_t salt) {
@@ -545,36 +557,44 @@ int cmd_bench_decode(const Args& args) {
     session->feed_last(long_prompt);
   });
 
-  const double floor_s = bytes.total() / (read_best * 1e9);
+  const double floor_s = gpu ? 0 : bytes.total() / (read_best * 1e9);
+  auto percent_of_floor = [&](double floor, double t) {
+    return gpu ? std::string("-") : fmt(100.0 * floor / t, 1);
+  };
   const double per_token_s = decode_s / double(o.decode);
   std::printf(
-      "\nbytes per decoded token (at %lld cached tokens): weights %s + KDA states %s + MLA latent "
-      "cache %s = %s;\nfloor = %s / %.1f GB/s = %.3f ms per token (%.1f tokens/s)\n\n",
+      "\nbytes per decoded token (at %lld cached tokens, fp32 weights): weights %s + KDA states %s"
+      " + MLA latent cache %s = %s\n",
       (long long)(o.prompt + o.decode / 2), human_bytes(bytes.weights).c_str(),
       human_bytes(bytes.state).c_str(), human_bytes(bytes.cache).c_str(),
-      human_bytes(bytes.total()).c_str(), human_bytes(bytes.total()).c_str(), read_best,
-      floor_s * 1e3, 1.0 / floor_s);
+      human_bytes(bytes.total()).c_str());
+  if (!gpu)
+    std::printf("floor = %s / %.1f GB/s = %.3f ms per token (%.1f tokens/s)\n",
+                human_bytes(bytes.total()).c_str(), read_best, floor_s * 1e3, 1.0 / floor_s);
+  std::printf("\n");
 
   Table table({"measure", "tokens", "ms/token", "tokens/s", "GB/s", "% of floor"});
   const std::string mib = std::to_string(o.bandwidth_mib) + " MiB";
-  table.add({"read " + mib + ", 1 thread", "-", "-", "-", fmt(read_one, 1), "-"});
-  table.add({"read " + mib + ", " + std::to_string(threads) + " threads", "-", "-", "-",
-             fmt(read_all, 1), "-"});
-  table.add({"copy " + mib + " (read + written)", "-", "-", "-", fmt(copy_all, 1), "-"});
-  table.add({"read " + human_bytes(double(token_bytes)) + " again and again, 1 thread", "-", "-",
-             "-", fmt(read_token, 1), "-"});
-  table.add({"floor: bytes per token / best read", "-", fmt(floor_s * 1e3, 2),
-             fmt(1.0 / floor_s, 1), fmt(read_best, 1), "100"});
+  if (!gpu) {
+    table.add({"read " + mib + ", 1 thread", "-", "-", "-", fmt(read_one, 1), "-"});
+    table.add({"read " + mib + ", " + std::to_string(threads) + " threads", "-", "-", "-",
+               fmt(read_all, 1), "-"});
+    table.add({"copy " + mib + " (read + written)", "-", "-", "-", fmt(copy_all, 1), "-"});
+    table.add({"read " + human_bytes(double(token_bytes)) + " again and again, 1 thread", "-", "-",
+               "-", fmt(read_token, 1), "-"});
+    table.add({"floor: bytes per token / best read", "-", fmt(floor_s * 1e3, 2),
+               fmt(1.0 / floor_s, 1), fmt(read_best, 1), "100"});
+  }
   table.add({"decode (feed_last, 1 token)", std::to_string(o.decode), fmt(per_token_s * 1e3, 2),
              fmt(1.0 / per_token_s, 1), fmt(bytes.total() / per_token_s / 1e9, 1),
-             fmt(100.0 * floor_s / per_token_s, 1)});
+             percent_of_floor(floor_s, per_token_s)});
   for (const BatchTiming& b : batch_timings) {
     const double step_bytes = decode_bytes(config, o.prompt + o.decode / 2, b.n).total();
-    const double step_floor_s = step_bytes / (read_best * 1e9);
+    const double step_floor_s = gpu ? 0 : step_bytes / (read_best * 1e9);
     table.add({"decode " + std::to_string(b.n) + " sequences a step (decode_batch)",
                std::to_string(b.n * o.decode), fmt(b.step_s / double(b.n) * 1e3, 2),
                fmt(double(b.n) / b.step_s, 1), fmt(step_bytes / b.step_s / 1e9, 1),
-               fmt(100.0 * step_floor_s / b.step_s, 1)});
+               percent_of_floor(step_floor_s, b.step_s)});
   }
   table.add({"prompt (prefill)", std::to_string(o.prompt),
              fmt(prompt_s / double(o.prompt) * 1e3, 3), fmt(double(o.prompt) / prompt_s, 1), "-",
