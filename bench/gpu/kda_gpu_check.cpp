@@ -1232,20 +1232,21 @@ struct Timer {
 };
 
 // A decode step replayed from a CUDA graph, as the models' decode runs (there one graph a step):
-// 16 consecutive steps over the rotating slot sets (step i: set i % sets) captured once, a
-// replay timed as 16 steps. The launches come from the GPU, so between steps only the kernels'
-// own ramp and tail remain (with a.overlap_launch, programmatic edges overlap even those).
+// one step per rotating slot set (step i: set i; >= 16 steps, >= 128 slots: no replay finds its
+// states in L2) captured once, a replay timed as that many steps. The launches come from the GPU,
+// so between steps only the kernels' own ramp and tail remain (with a.overlap_launch, programmatic
+// edges overlap even those).
 double decode_graph_step_ms(cuda::DecodeArgs a, const int32_t* slot_sets, int sets, int64_t B,
                             Timer& timer) {
-  constexpr int kSteps = 16;
+  const int steps = sets;
   cudaStream_t stream = nullptr;
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "graph stream");
   ck(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
   try {
-    for (int i = 0; i < kSteps; ++i) {
-      a.slots = slot_sets + size_t(i % sets) * B;
+    for (int i = 0; i < steps; ++i) {
+      a.slots = slot_sets + size_t(i) * B;
       cuda::decode_step(a, stream);
     }
     ck(cudaStreamEndCapture(stream, &graph), "end capture");
@@ -1261,7 +1262,7 @@ double decode_graph_step_ms(cuda::DecodeArgs a, const int32_t* slot_sets, int se
   }
   const double ms =
       timer.median_ms([&](int) { ck(cudaGraphLaunch(exec, nullptr), "graph launch"); }, 3, 20) /
-      kSteps;
+      steps;
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);

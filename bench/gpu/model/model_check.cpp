@@ -81,6 +81,30 @@ void check_folder(const std::string& dir, ElementType type, Tally& tally) {
     report(tally, tag + " prefill+decode logits", rel_error(ours, want), logits_tol);
   }
 
+  // A snapshot after the prefill (Session::clone, KDA_CUDA_CLONE): the copy decodes the rest
+  // as the reference does (both fixture models: GPT-2's key / value rows, Kimi's states and
+  // latent rows).
+  {
+    auto session = lm->start_session(N);
+    const int64_t prefill = (N + 1) / 2;
+    session->feed(std::span<const int32_t>(ids).first(size_t(prefill)));
+    const std::unique_ptr<model::Session> copy = session->clone();
+    if (!copy) {
+      std::printf("CHECK %-60s FAIL (clone returned nothing)\n", (tag + " clone").c_str());
+      tally.failed++;
+    } else {
+      std::vector<double> ours;
+      for (int64_t t = prefill; t < N; ++t) {
+        const std::vector<double> step =
+            widen(copy->feed(std::span<const int32_t>(ids).subspan(size_t(t), 1)));
+        ours.insert(ours.end(), step.begin(), step.end());
+      }
+      const int64_t V = lm->vocab_size();
+      const std::vector<double> tail(want.begin() + prefill * V, want.end());
+      report(tally, tag + " clone after prefill, decode logits", rel_error(ours, tail), logits_tol);
+    }
+  }
+
   // Greedy continuation through the decode path; fp32 must match token for token.
   const std::vector<int32_t> prompt = ids_of(ref, "greedy_prompt");
   const std::vector<int32_t> greedy = ids_of(ref, "greedy_out");

@@ -366,7 +366,16 @@ void KimiCudaSession::begin_decode(int32_t id) {
     cudaGraph_t graph = nullptr;
     k::check_cuda(cudaStreamBeginCapture(device_.stream(), cudaStreamCaptureModeThreadLocal),
                   "cudaStreamBeginCapture");
-    model_.run_layers(ids_device, 1, 1, kda_, latent_, device_.ctx(), pinned_logits_);
+    try {
+      model_.run_layers(ids_device, 1, 1, kda_, latent_, device_.ctx(), pinned_logits_);
+    } catch (...) {  // end the capture, else this thread's later waits fail and the stream stays
+      cudaGraph_t partial = nullptr;  // capturing
+      cudaStreamEndCapture(device_.stream(), &partial);
+      if (partial) cudaGraphDestroy(partial);
+      cudaGetLastError();
+      device_.ctx().length_device = nullptr;
+      throw;
+    }
     k::check_cuda(cudaStreamEndCapture(device_.stream(), &graph), "cudaStreamEndCapture");
     const cudaError_t made = cudaGraphInstantiate(&graph_, graph, 0);
     cudaGraphDestroy(graph);
