@@ -13,19 +13,15 @@
 #
 # --no-fla: everything but timing fla (a quicker call).
 # --model:  the model path (checks + benchmarks) and the delta-rule kernels' checks only; then
-#           the kda binary on the GPU (verify, run, and bench decode --device cuda with and
-#           without KDA_CUDA_DECODE_BATCH=1).
+#           the kda binary on the GPU (verify, run, and bench decode --device cuda).
 # --lab:    the kernel lab's checks in one call (~7 minutes): kda_gpu_check --check, the
 #           same with KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1 (the wgmma state walks, forward and
 #           reverse, forced on every grid; the default takes them on full grids only), the decode
 #           checks with KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1 (the state fetched before the
-#           programmatic wait; the back-to-back chain check among them), every check with
-#           KDA_PREPARE_M_STAGED=1 (v28: M leaves chunk_prepare through shared memory), plain and
-#           with the walks forced, racecheck --small and the B = 16 decode rows without and with
-#           KDA_DECODE_MBAR_SYNC=1 (a barrier after the decode head kernel's mbarrier init),
-#           the chunked forward rows with the defaults, with v28, with v28
-#           and Gated DeltaNet's M from prepare (KDA_GDN_STATE_M=0), the defaults again and that
-#           alone (KDA_LAB_KNOBS: other ';'-separated knob sets); with KDA_LAB_TRAIN=1 also
+#           programmatic wait; the back-to-back chain check among them), racecheck --small and
+#           the B = 16 decode rows, the chunked forward rows with the defaults and with Gated
+#           DeltaNet's M from prepare (KDA_GDN_STATE_M=0), twice each (KDA_LAB_KNOBS: other
+#           ';'-separated knob sets); with KDA_LAB_TRAIN=1 also
 #           kda_gpu_train --check (the lineage GPU trainer against the CPU one) plain and with
 #           the wgmma walks, then kda_gpu_train --profile-recall (the call is then ~10 minutes).
 # --lab-rows: the experiments' timings only (the next call, ~3 minutes): the chunked rows with
@@ -102,16 +98,6 @@ if [ "$mode" = "--lab" ]; then
     >"$log_dir/lab_check_wgmma.log" 2>&1 || status=1
   grep -E "FAIL|NOTE" "$log_dir/lab_check_wgmma.log" | head -20
   echo "wgmma checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_check_wgmma.log") pass"
-  # v28, chunk_prepare's staged M (KDA_PREPARE_M_STAGED=1): every check again, plain (the
-  # small shapes' Gated DeltaNet forms M in prepare there) and with the wgmma walks forced
-  for knobs in "KDA_PREPARE_M_STAGED=1" "KDA_PREPARE_M_STAGED=1 KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1"; do
-    echo "== kda_gpu_check --check with $knobs"
-    # shellcheck disable=SC2086
-    env $knobs timeout 240 ./build-gpu-app/bin/kda_gpu_check --check \
-      >"$log_dir/lab_check_m_staged.log" 2>&1 || status=1
-    grep -E "FAIL|NOTE" "$log_dir/lab_check_m_staged.log" | head -20
-    echo "staged M checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_check_m_staged.log") pass"
-  done
   # decode: the state fetched before the programmatic wait
   # (KDA_DECODE_PREFETCH, with KDA_DECODE_OVERLAP): the decode checks, the back-to-back chain
   # among them
@@ -120,22 +106,16 @@ if [ "$mode" = "--lab" ]; then
     --decode --check >"$log_dir/lab_decode_check.log" 2>&1 || status=1
   grep -E "FAIL" "$log_dir/lab_decode_check.log" | head -20
   echo "decode checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_decode_check.log") pass"
-  # racecheck's one warning (decode head kernel: mbar_init against mbar_expect_tx of the same
-  # thread) without and with a block barrier between them (KDA_DECODE_MBAR_SYNC=1), and the
-  # B = 16 decode rows each way
-  for knobs in "" "KDA_DECODE_MBAR_SYNC=1"; do
-    echo "== racecheck --small, then decode rows, with: ${knobs:-(defaults)}"
-    # shellcheck disable=SC2086
-    env $knobs KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1 timeout 120 compute-sanitizer \
-      --tool racecheck --error-exitcode 3 ./build-gpu-app/bin/kda_gpu_check --small \
-      >"$log_dir/lab_racecheck.log" 2>&1
-    echo "racecheck: exit $? ($(grep -c "^CHECK.*PASS" "$log_dir/lab_racecheck.log") checks pass)"
-    grep -E "RACECHECK SUMMARY|Race reported" "$log_dir/lab_racecheck.log" | head -4
-    # shellcheck disable=SC2086
-    env $knobs timeout 120 ./build-gpu-app/bin/kda_gpu_check --decode --bench 2>&1 |
-      grep -E "BENCH decode (kda|gdn) B=16 (auto|graph|same)"
-  done
-  chunk_rows "${KDA_LAB_KNOBS:-;KDA_PREPARE_M_STAGED=1;KDA_PREPARE_M_STAGED=1 KDA_GDN_STATE_M=0;;KDA_GDN_STATE_M=0}"
+  # racecheck (the wgmma walks forced, so that they are covered too), then the B = 16 decode rows
+  echo "== racecheck --small, then decode rows"
+  KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1 timeout 120 compute-sanitizer \
+    --tool racecheck --error-exitcode 3 ./build-gpu-app/bin/kda_gpu_check --small \
+    >"$log_dir/lab_racecheck.log" 2>&1
+  echo "racecheck: exit $? ($(grep -c "^CHECK.*PASS" "$log_dir/lab_racecheck.log") checks pass)"
+  grep -E "RACECHECK SUMMARY|Race reported" "$log_dir/lab_racecheck.log" | head -4
+  timeout 120 ./build-gpu-app/bin/kda_gpu_check --decode --bench 2>&1 |
+    grep -E "BENCH decode (kda|gdn) B=16 (auto|graph|same)"
+  chunk_rows "${KDA_LAB_KNOBS:-;KDA_GDN_STATE_M=0;;KDA_GDN_STATE_M=0}"
   if [ "${KDA_LAB_TRAIN:-0}" != "1" ]; then
     echo "(the trainer's checks and the recall profile: KDA_LAB_TRAIN=1)"
     exit "$status"
@@ -316,14 +296,10 @@ if [ "$mode" = "--model" ] && [ -d gpu_carry/pcre2 ]; then
     ./build-gpu-app/bin/kda run -m models/kimi-mini -p "The jury said that the city" -n 48 \
       --temp 0.8 --top-k 40 --seed 1 2>&1
     echo
-    # decode of several sequences a step on the GPU: one after another (the default), and side
-    # by side on their streams (KDA_CUDA_DECODE_BATCH=1)
-    for knobs in "" "KDA_CUDA_DECODE_BATCH=1"; do
-      echo "== kda bench decode --device cuda --batch 4,16 with: ${knobs:-(defaults)}"
-      # shellcheck disable=SC2086
-      env $knobs timeout 120 ./build-gpu-app/bin/kda bench decode --device cuda --batch 4,16 \
-        --out "$log_dir/decode_gpu" 2>&1 | grep -E "^decode|^prompt|^prefill"
-    done
+    # decode of several sequences a step on the GPU (their steps side by side on their streams)
+    echo "== kda bench decode --device cuda --batch 4,16"
+    timeout 120 ./build-gpu-app/bin/kda bench decode --device cuda --batch 4,16 \
+      --out "$log_dir/decode_gpu" 2>&1 | grep -E "^decode|^prompt|^prefill"
   else
     grep -E "error" -A3 "$log_dir/configure_app.log" "$log_dir/build_app.log" | head -30
     model_status=1

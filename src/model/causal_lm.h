@@ -59,8 +59,7 @@ class Session {
   virtual int64_t max_context() const { return 0; }
   virtual MemoryReport memory() const = 0;
   // An independent copy of this sequence's state (a snapshot: feeding either leaves the other as
-  // it was), or nullptr where the backend cannot copy its state (the CUDA sessions unless
-  // KDA_CUDA_CLONE=1, until their copy is checked on a GPU).
+  // it was), or nullptr where the backend cannot copy its state.
   virtual std::unique_ptr<Session> clone() const { return nullptr; }
 };
 

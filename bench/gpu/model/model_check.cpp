@@ -81,7 +81,7 @@ void check_folder(const std::string& dir, ElementType type, Tally& tally) {
     report(tally, tag + " prefill+decode logits", rel_error(ours, want), logits_tol);
   }
 
-  // A snapshot after the prefill (Session::clone, KDA_CUDA_CLONE): the copy decodes the rest
+  // A snapshot after the prefill (Session::clone): the copy decodes the rest
   // as the reference does (both fixture models: GPT-2's key / value rows, Kimi's states and
   // latent rows).
   {
@@ -159,7 +159,7 @@ void check_against_cpu(const std::string& dir, const std::string& tag, int64_t t
     // copy decodes the rest as the CPU does, and the original, fed after it, the same.
     auto base = gpu->start_session(tokens);
     base->feed(std::span<const int32_t>(ids).first(size_t(prefill)));
-    // decode_batch with its steps side by side on the sessions' streams (KDA_CUDA_DECODE_BATCH):
+    // decode_batch with its steps side by side on the sessions' streams:
     // two sequences 9 tokens apart, 8 steps (eager, captured, then graph launches), each row
     // against the CPU's logits at its position.
     {
@@ -206,8 +206,6 @@ void check_against_cpu(const std::string& dir, const std::string& tag, int64_t t
 
 void run_model_checks(const SuiteOptions& options, Tally& tally) {
   if (!options.check) return;
-  setenv("KDA_CUDA_CLONE", "1", 1);         // the CUDA sessions' copy is still behind its knob
-  setenv("KDA_CUDA_DECODE_BATCH", "1", 1);  // and so is Kimi Linear's side-by-side decode_batch
   // The embedded default (softplus gate), and a copy whose config bounds the gate (fla's safe
   // gate, lower bound -5: the bf16 prefill then runs the chunked tensor-core kernel).
   const fs::path mini = "models/kimi-mini";

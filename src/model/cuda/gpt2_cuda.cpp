@@ -212,7 +212,6 @@ Gpt2CudaSession::Gpt2CudaSession(const Gpt2Cuda& model, int64_t max_context)
 
 // A snapshot: a new session with the key and value rows written so far, copied on the device.
 std::unique_ptr<Session> Gpt2CudaSession::clone() const {
-  if (!cuda_clone_enabled()) return nullptr;
   k::check_cuda(cudaStreamSynchronize(device_.stream()), "gpt2 (cuda): clone");
   auto copy = std::make_unique<Gpt2CudaSession>(model_, max_context_);
   const size_t bytes = size_t(length_ * model_.config().embd) * k::element_bytes(model_.type());

@@ -58,10 +58,6 @@ class SessionDevice {
   std::unique_ptr<Context> ctx_;
 };
 
-// Session::clone on the GPU (kernel-lab knob KDA_CUDA_CLONE=1 until kda_gpu_model has checked it
-// on the device: the sessions return nullptr without it, as before, and kda serve then keeps no
-// prefix snapshots).
-bool cuda_clone_enabled();
 // The first `bytes` of `src` into `dst` (device to device, on `stream`; nothing when 0).
 void copy_device_bytes(DeviceBuffer& dst, const DeviceBuffer& src, size_t bytes,
                        cudaStream_t stream);

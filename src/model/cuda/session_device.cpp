@@ -1,17 +1,7 @@
-#include <cstdlib>
-
 #include "core/error.h"
 #include "model/cuda/kimi_cuda_blocks.h"
 
 namespace kda::model::cuda {
-
-bool cuda_clone_enabled() {
-  static const bool enabled = [] {
-    const char* knob = std::getenv("KDA_CUDA_CLONE");
-    return knob && knob[0] == '1';
-  }();
-  return enabled;
-}
 
 void copy_device_bytes(DeviceBuffer& dst, const DeviceBuffer& src, size_t bytes,
                        cudaStream_t stream) {

@@ -52,10 +52,6 @@ struct ChunkWorkspace {
   // Gated DeltaNet forward on the wgmma walk (raw_qk too): chunk_state_wgmma forms M from the
   // q, k tiles it holds anyway, so chunk_prepare neither computes nor writes M
   bool m_in_state = false;
-  // chunk_prepare's staged M (v28, kernel-lab knob KDA_PREPARE_M_STAGED=1, set by
-  // launch_chunk_prepare; not yet run on a GPU): M's 10 lower 16 x 16 blocks go to L's unused
-  // upper blocks in shared memory, then out in whole rows (zeros above), not from the fragments
-  bool m_staged = false;
   // Pipelined forward (chunk_forward.cu): when piece_begin >= 0, chunk_prepare covers and
   // chunk_state walks only the chunks [piece_begin, piece_end) of each sequence (indices within
   // the sequence); otherwise every chunk.

@@ -300,13 +300,13 @@ __global__ void __launch_bounds__(kThreads, 3)
   __syncthreads();
 
   // ---- phase 3: M = scale * masked(Q K^T decayed) -> workspace, L = beta * strict(K K^T) ----
-  // 26 units spread over the 8 warps (3 or 4 each): the 10 lower 16x16 blocks (J <= I) of M,
-  // the 10 of L, and the 6 upper blocks of M (and A) that are zero. With ws.m_in_state (the
-  // state walk forms M) only L's 10 (and A's zero blocks for the backward).
-  // ws.m_staged: M's lower blocks go to smem (sMstage: L's upper blocks, untouched until phase
-  // 4's merges; two bf16 blocks in each fp32 one), and phase 4's idle warps store M in whole
-  // rows (zeros above the diagonal blocks) while warps 0-3 invert the diagonal blocks.
-  const bool m_staged = ws.m_staged && !ws.m_in_state;
+  // 20 units spread over the 8 warps: the 10 lower 16x16 blocks (J <= I) of M and the 10 of L
+  // (the backward adds A's 6 zero upper blocks). With ws.m_in_state (the state walk forms M)
+  // only L's 10. M's blocks go to smem (sMstage: L's upper blocks, untouched until phase 4's
+  // merges; two bf16 blocks in each fp32 one), and phase 4's idle warps store M in whole rows
+  // (zeros above the diagonal blocks) while warps 0-3 invert the diagonal blocks (v28: the
+  // fragments' scattered 4-byte stores wrote M at half-sector efficiency).
+  const bool form_m = !ws.m_in_state;
   auto sMstage = [&](int b) {  // M block b = I (I + 1) / 2 + J, J <= I; row stride 2 LDL
     const int u = b >> 1;      // L's upper blocks (0,1) (0,2) (0,3) (1,2) (1,3): b <= 9
     const int ui = u < 3 ? 0 : 1, uj = u < 3 ? u + 1 : u - 1;
@@ -315,9 +315,8 @@ __global__ void __launch_bounds__(kThreads, 3)
 
   {
     const bf16* Bop = kChannel ? sKn : sKs;
-    const bool form_m = !ws.m_in_state;
-    // with m_staged the zero blocks of M are written by the flush: units 20-25 only for A
-    const int units = form_m ? (m_staged && !ws.A ? 20 : 26) : ws.A ? 16 : 10;
+    // units 20-25 write A's zero upper blocks (M's are written by the flush in phase 4)
+    const int units = (form_m ? 20 : 10) + (ws.A ? 6 : 0);
     for (int unit = warp; unit < units; unit += 8) {
       const int u = form_m ? unit : 10 + unit;
       if (u < 20) {
@@ -359,11 +358,8 @@ __global__ void __launch_bounds__(kThreads, 3)
             if (is_m) {
               v0 = j <= r ? v0 * x.scale : 0.f;
               v1 = j + 1 <= r ? v1 * x.scale : 0.f;
-              if (m_staged)
-                *reinterpret_cast<uint32_t*>(sMstage(b) + (r - 16 * I) * 2 * LDL + j - 16 * J) =
-                    pack_bf16(v0, v1);
-              else
-                *reinterpret_cast<uint32_t*>(ws.M + (row_base + r) * C + j) = pack_bf16(v0, v1);
+              *reinterpret_cast<uint32_t*>(sMstage(b) + (r - 16 * I) * 2 * LDL + j - 16 * J) =
+                  pack_bf16(v0, v1);
             } else {
               v0 = j < r ? v0 : 0.f;
               v1 = j + 1 < r ? v1 : 0.f;
@@ -384,9 +380,7 @@ __global__ void __launch_bounds__(kThreads, 3)
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int r = 16 * I + gr + 8 * half, j = 16 * J + 8 * nt + 2 * tq;
-            if (form_m && !m_staged)
-              *reinterpret_cast<uint32_t*>(ws.M + (row_base + r) * C + j) = 0u;
-            if (ws.A) *reinterpret_cast<uint32_t*>(ws.A + (row_base + r) * C + j) = 0u;
+            *reinterpret_cast<uint32_t*>(ws.A + (row_base + r) * C + j) = 0u;
           }
         }
       }
@@ -419,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, 3)
     }
 #pragma unroll
     for (int r = 0; r < 16; ++r) sX[(16 * I + r) * LDL + 16 * I + c] = col[r];
-  } else if (m_staged && warp >= 4) {
+  } else if (form_m && warp >= 4) {
     // M out in whole rows, 16 bytes (8 columns) a thread: from the staged block of (I, J) where
     // J <= I, zeros above; before the merges below reuse L's upper blocks for Y
     for (int idx = tid - 128; idx < C * C / 8; idx += 128) {
@@ -598,15 +592,8 @@ void launch_kv(const ChunkTokens& x, const ChunkWorkspace& ws, int K, int V, cud
 
 }  // namespace
 
-void launch_chunk_prepare(const ChunkTokens& x, const ChunkWorkspace& workspace, Gate gate, int K,
-                          int V, cudaStream_t stream) {
-  // Kernel-lab knob: KDA_PREPARE_M_STAGED=1 (v28, compiled only so far; ChunkWorkspace::m_staged)
-  static const bool m_staged = [] {
-    const char* knob = std::getenv("KDA_PREPARE_M_STAGED");
-    return knob && knob[0] == '1';
-  }();
-  ChunkWorkspace ws = workspace;
-  ws.m_staged = m_staged;
+void launch_chunk_prepare(const ChunkTokens& x, const ChunkWorkspace& ws, Gate gate, int K, int V,
+                          cudaStream_t stream) {
   if (x.layer.on) {  // chunk_forward allows it for Gate::channel only
     require(gate == Gate::channel, "chunk_prepare: KDA layer options need Gate::channel");
     return launch_kv<Gate::channel, true>(x, ws, K, V, stream);

@@ -67,10 +67,6 @@ struct RecurrentParams {
   // decode with programmatic dependent launch and DecodeArgs::prefetch_state: the state (and the
   // slot indices) are read before waiting for the previous kernel on the stream
   bool state_before_wait = false;
-  // decode head kernel: a block barrier between the mbarrier's initialisation and its first
-  // arrival (kernel-lab knob KDA_DECODE_MBAR_SYNC=1; the A/B for racecheck's one warning, an
-  // init and an expect_tx of the same thread; CUTLASS always syncs there)
-  bool mbar_sync = false;
 };
 
 // A state row read once, through L2 only (ld.global.cg): no L1 line is kept, and none that an
@@ -290,7 +286,10 @@ __global__ void __launch_bounds__(kHeadThreads, 4) decode_head_kernel(const Recu
       mbar_init(&bar, 1);
       mbar_init_fence();
     }
-    if (p.mbar_sync) __syncthreads();  // uniform: a kernel parameter
+    // publish the initialisation before its first arrival, as CUTLASS's pipelines do: without
+    // it racecheck reports the init against the same thread's expect_tx (session 16: the B = 16
+    // rows are unchanged with the barrier)
+    __syncthreads();
     if (tid == 0) {
       mbar_expect_tx(&bar, uint32_t(sizeof rows_smem));
       bulk_copy(rows_smem, src + size_t(L::kRegRows) * V, uint32_t(sizeof rows_smem), &bar);
@@ -667,11 +666,6 @@ void decode_step(const DecodeArgs& a, cudaStream_t stream) {
                     int(s.H), int(s.HV), int(s.V),     float(s.effective_scale())};
   p.token_slots = a.token_slots;
   p.state_before_wait = overlap && decode_prefetch(a);
-  static const bool mbar_sync = [] {
-    const char* knob = std::getenv("KDA_DECODE_MBAR_SYNC");
-    return knob && knob[0] == '1';
-  }();
-  p.mbar_sync = mbar_sync;
   if (!use_head_kernel(a, s)) {
     launch_recurrent(s, a.dtype, s.B, p, stream, true, overlap);
     return;
