@@ -18,10 +18,12 @@
 #           same with KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1 (the wgmma state walks, forward and
 #           reverse, forced on every grid; the default takes them on full grids only), the decode
 #           checks with KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1 (the state fetched before the
-#           programmatic wait; the back-to-back chain check among them), racecheck --small and
-#           the B = 16 decode rows, the chunked forward rows with the defaults and with Gated
-#           DeltaNet's M from prepare (KDA_GDN_STATE_M=0), twice each (KDA_LAB_KNOBS: other
-#           ';'-separated knob sets); with KDA_LAB_TRAIN=1 also
+#           programmatic wait; the back-to-back chain check among them), every check and the
+#           model checks with KDA_CHUNK_EXACT=1 (chunks whose KDA decay leaves chunk_prepare's
+#           split redone in fp32; the wide-decay checks run only with it), racecheck --small and
+#           the B = 16 decode rows, the chunked forward rows with the defaults and with
+#           KDA_CHUNK_EXACT=1, twice each (KDA_LAB_KNOBS: other ';'-separated knob sets); with
+#           KDA_LAB_TRAIN=1 also
 #           kda_gpu_train --check (the lineage GPU trainer against the CPU one) plain and with
 #           the wgmma walks, then kda_gpu_train --profile-recall (the call is then ~10 minutes).
 # --lab-rows: the experiments' timings only (the next call, ~3 minutes): the chunked rows with
@@ -83,7 +85,7 @@ chunk_rows() {
 }
 
 if [ "$mode" = "--lab" ]; then
-  build_app kda kda_gpu_check kda_gpu_train  # (kda: scripts/recall_grid.sh can start next)
+  build_app kda kda_gpu_check kda_gpu_model kda_gpu_train  # (kda: recall_grid.sh can start next)
   echo "== kda_gpu_check --check"
   timeout 240 ./build-gpu-app/bin/kda_gpu_check --check >"$log_dir/lab_check.log" 2>&1
   status=$?
@@ -98,6 +100,19 @@ if [ "$mode" = "--lab" ]; then
     >"$log_dir/lab_check_wgmma.log" 2>&1 || status=1
   grep -E "FAIL|NOTE" "$log_dir/lab_check_wgmma.log" | head -20
   echo "wgmma checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_check_wgmma.log") pass"
+  # the exact recompute of wide-decay KDA chunks (chunk_prepare_exact.cu): every check (the
+  # wide-decay ones run only with it), then the model path (kimi-mini's softplus-gate bf16
+  # prefill takes the chunked kernel with it)
+  echo "== kda_gpu_check --check with KDA_CHUNK_EXACT=1"
+  KDA_CHUNK_EXACT=1 timeout 240 ./build-gpu-app/bin/kda_gpu_check --check \
+    >"$log_dir/lab_check_exact.log" 2>&1 || status=1
+  grep -E "FAIL|wide-decay" "$log_dir/lab_check_exact.log" | head -30
+  echo "exact checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_check_exact.log") pass"
+  echo "== kda_gpu_model --check with KDA_CHUNK_EXACT=1"
+  KDA_CHUNK_EXACT=1 timeout 200 ./build-gpu-app/bin/kda_gpu_model --check --shared gpu_carry/shared model \
+    >"$log_dir/lab_model_exact.log" 2>&1 || status=1
+  grep -E "FAIL|kimi-mini" "$log_dir/lab_model_exact.log" | head -20
+  echo "model checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_model_exact.log") pass"
   # decode: the state fetched before the programmatic wait
   # (KDA_DECODE_PREFETCH, with KDA_DECODE_OVERLAP): the decode checks, the back-to-back chain
   # among them
@@ -115,7 +130,7 @@ if [ "$mode" = "--lab" ]; then
   grep -E "RACECHECK SUMMARY|Race reported" "$log_dir/lab_racecheck.log" | head -4
   timeout 120 ./build-gpu-app/bin/kda_gpu_check --decode --bench 2>&1 |
     grep -E "BENCH decode (kda|gdn) B=16 (auto|graph|same)"
-  chunk_rows "${KDA_LAB_KNOBS:-;KDA_GDN_STATE_M=0;;KDA_GDN_STATE_M=0}"
+  chunk_rows "${KDA_LAB_KNOBS:-;KDA_CHUNK_EXACT=1;;KDA_CHUNK_EXACT=1}"
   if [ "${KDA_LAB_TRAIN:-0}" != "1" ]; then
     echo "(the trainer's checks and the recall profile: KDA_LAB_TRAIN=1)"
     exit "$status"

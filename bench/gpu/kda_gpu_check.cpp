@@ -157,8 +157,10 @@ struct Inputs {
   std::vector<float> q, k, v, g, beta, h0;
 };
 
+// gate_strength: 0 log(sigmoid(1 + 2z)); 1 (strong) fla's lower-bound gate -5 sigmoid(2z);
+// 2 (wide decay, KDA) every other channel -10 - 20 sigmoid(z), past chunk_prepare's split
 Inputs make_inputs(const DeltaRuleShape& s, std::vector<int64_t> cu, bool with_h0, uint64_t seed,
-                   bool strong_gates = false) {
+                   int gate_strength = 0) {
   Inputs in;
   in.shape = s;
   in.cu = std::move(cu);
@@ -183,11 +185,11 @@ Inputs make_inputs(const DeltaRuleShape& s, std::vector<int64_t> cu, bool with_h
   in.v = normal(in.tokens * s.HV * s.V);
   if (s.gate != Gate::none) {
     in.g.resize(in.tokens * s.HV * s.gate_width());
-    for (float& x : in.g) {
+    for (size_t i = 0; i < in.g.size(); ++i) {
       const float z = rng.normal();
-      // strong: fla's lower-bound gate, -5 * sigmoid(z) in [-5, 0]; else log(sigmoid(1 + 2z))
-      x = strong_gates ? -5.f / (1.f + std::exp(-2.f * z))
-                       : -std::log1p(std::exp(-(1.f + 2.f * z)));
+      in.g[i] = gate_strength == 1 ? -5.f / (1.f + std::exp(-2.f * z))
+                                   : -std::log1p(std::exp(-(1.f + 2.f * z)));
+      if (gate_strength == 2 && i % 2) in.g[i] = -10.f - 20.f / (1.f + std::exp(-z));
     }
   }
   in.beta.resize(in.tokens * s.HV);
@@ -337,9 +339,9 @@ std::string knob_tags() {
 
 void check_forward(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V,
                    std::vector<int64_t> cu, bool with_h0, ElementType t, bool recurrent,
-                   uint64_t seed, bool strong = false) {
+                   uint64_t seed, int strength = 0) {
   DeltaRuleShape s{B, T, H, HV, K, V, gate, 0};
-  const Inputs in = make_inputs(s, cu, with_h0, seed, strong);
+  const Inputs in = make_inputs(s, cu, with_h0, seed, strength);
   const Uploaded u = upload_all(in, t);
   const Reference ref =
       reference(in, u.q.rounded, u.k.rounded, u.v.rounded,
@@ -350,7 +352,11 @@ void check_forward(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV, int64
                 recurrent ? "recurrent" : "chunk", gate_name(gate),
                 t == ElementType::bf16 ? "bf16" : "fp32", (long long)B, (long long)T, (long long)H,
                 (long long)HV, (long long)K, (long long)V, cu.empty() ? "" : " varlen",
-                with_h0 ? " h0" : "", strong ? " strong-g" : "", knob_tags().c_str());
+                with_h0 ? " h0" : "",
+                strength == 1   ? " strong-g"
+                : strength == 2 ? " wide-decay"
+                                : "",
+                knob_tags().c_str());
   const double tol = t == ElementType::bf16 ? 5e-3 : 1e-4;
   report(name, "o", rel_rms(got.o, ref.o), tol);
   report(name, "ht", rel_rms(got.ht, ref.ht), tol);
@@ -529,7 +535,11 @@ struct KdaLayerRaw {
   std::vector<float> A_log, dt_bias;
   DeviceBuffer A_dev, dt_dev;
 };
-KdaLayerRaw make_layer_raw(Inputs& in, bool l2norm, KdaGate gate, uint64_t seed) {
+// wide: the softplus gate decaying far past chunk_prepare's split (exp(A_log) in [4, 16], every
+// other channel's dt_bias +2: 10-50 nats a token there, so ~1000 over a 16-token block; the
+// others -4, so that the state still carries something): the chunks chunk_prepare_exact redoes.
+KdaLayerRaw make_layer_raw(Inputs& in, bool l2norm, KdaGate gate, uint64_t seed,
+                           bool wide = false) {
   const DeltaRuleShape& s = in.shape;
   Random rng(seed + 5);
   if (l2norm)
@@ -543,6 +553,10 @@ KdaLayerRaw make_layer_raw(Inputs& in, bool l2norm, KdaGate gate, uint64_t seed)
   for (float& a : p.A_log)  // softplus gate: exp(A_log) in [0.5, 1] keeps the gate precondition
     a = gate == KdaGate::softplus ? std::log(rng.uniform(0.5f, 1.f)) : std::log(rng.uniform(1, 16));
   for (float& d : p.dt_bias) d = 0.5f * rng.normal();
+  if (wide) {
+    for (float& a : p.A_log) a = std::log(rng.uniform(4.f, 16.f));
+    for (size_t i = 0; i < p.dt_bias.size(); ++i) p.dt_bias[i] += i % 2 ? 2.f : -4.f;
+  }
   p.A_dev = DeviceBuffer(p.A_log.size() * 4);
   p.dt_dev = DeviceBuffer(p.dt_bias.size() * 4);
   ck(cudaMemcpy(p.A_dev.ptr, p.A_log.data(), p.A_dev.bytes, cudaMemcpyHostToDevice), "A_log");
@@ -563,11 +577,11 @@ void set_layer_options(cuda::DeltaRuleDeviceInputs& d, const KdaLayerRaw& p, boo
 
 void check_kda_layer(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V,
                      std::vector<int64_t> cu, bool with_h0, bool l2norm, KdaGate gate,
-                     uint64_t seed) {
+                     uint64_t seed, bool wide = false) {
   const auto bf = ElementType::bf16;
   DeltaRuleShape s{B, T, H, HV, K, V, Gate::channel, 0};
   Inputs in = make_inputs(s, cu, with_h0, seed);
-  const KdaLayerRaw lp = make_layer_raw(in, l2norm, gate, seed);
+  const KdaLayerRaw lp = make_layer_raw(in, l2norm, gate, seed, wide);
   const std::vector<float>&A_log = lp.A_log, &dt_bias = lp.dt_bias;
   const Uploaded u = upload_all(in, bf);
 
@@ -603,10 +617,11 @@ void check_kda_layer(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int
   ck(cudaDeviceSynchronize(), "kda layer forward");
   char name[160];
   std::snprintf(name, sizeof name,
-                "chunk kda-layer %s%s B%lld T%lld H%lld HV%lld K%lld V%lld%s%s%s",
-                gate == KdaGate::softplus ? "softplus" : "lower-bound", l2norm ? " l2norm" : "",
-                (long long)B, (long long)T, (long long)H, (long long)HV, (long long)K, (long long)V,
-                cu.empty() ? "" : " varlen", with_h0 ? " h0" : "", knob_tags().c_str());
+                "chunk kda-layer %s%s%s B%lld T%lld H%lld HV%lld K%lld V%lld%s%s%s",
+                gate == KdaGate::softplus ? "softplus" : "lower-bound", wide ? " wide-decay" : "",
+                l2norm ? " l2norm" : "", (long long)B, (long long)T, (long long)H, (long long)HV,
+                (long long)K, (long long)V, cu.empty() ? "" : " varlen", with_h0 ? " h0" : "",
+                knob_tags().c_str());
   report(name, "o", rel_rms(download(o.ptr, in.tokens * HV * V, bf), ref_o), 5e-3);
   report(name, "ht", rel_rms(download(ht.ptr, in.N * HV * K * V, ElementType::f32), ref_ht), 5e-3);
 }
@@ -1167,6 +1182,26 @@ void run_checks() {
   check_kda_layer(1, 521, 2, 4, 128, 128, varlen, false, true, KdaGate::lower_bound, ++seed);
   check_kda_layer(1, 300, 1, 2, 64, 64, {}, true, false, KdaGate::lower_bound, ++seed);
   check_kda_layer(2, 200, 2, 2, 128, 128, {}, true, true, KdaGate::softplus, ++seed);
+  // the softplus gate decaying past chunk_prepare's split: the chunks chunk_prepare_exact redoes
+  // (KDA_CHUNK_EXACT=1; without it these break, the precondition of delta_rule_cuda.h)
+  if (cuda::chunk_forward_any_decay()) {
+    uint64_t ws = 7000;  // own seeds: the inputs of the checks below stay as they were
+    const KdaGate sp = KdaGate::softplus;
+    check_kda_layer(2, 17, 2, 4, 128, 128, {}, true, true, sp, ++ws, true);
+    check_kda_layer(2, 65, 2, 4, 128, 128, {}, true, true, sp, ++ws, true);
+    check_kda_layer(2, 200, 2, 2, 128, 128, {}, true, true, sp, ++ws, true);
+    check_kda_layer(1, 521, 2, 4, 128, 128, varlen, false, true, sp, ++ws, true);
+    check_kda_layer(1, 300, 1, 2, 64, 64, {}, true, false, sp, ++ws, true);
+    check_kda_layer(1, 2047, 2, 2, 128, 128, {}, true, true, sp, ++ws, true);  // pipelined
+    // the plain op (g given, no layer options): the exact kernel's other instantiation
+    check_forward(Gate::channel, 2, 130, 2, 4, 128, 128, {}, true, ElementType::bf16, false, ++ws,
+                  2);
+    check_forward(Gate::channel, 1, 521, 1, 2, 64, 64, varlen, true, ElementType::bf16, false, ++ws,
+                  2);
+  } else {
+    std::printf(
+        "NOTE the wide-decay checks (softplus gate past the split) need KDA_CHUNK_EXACT=1\n");
+  }
   // backward (bf16) against the CPU fp32 chunked backward
   for (Gate gate : {Gate::channel, Gate::scalar}) {
     for (int64_t T : {1, 63, 64, 65})

@@ -8,9 +8,10 @@
 //
 // Which KDA kernel: bf16 prefills with a bounded gate (forget_gate_lower_bound, fla's safe gate)
 // run the tensor-core chunked kernel with the gate and beta activated inside it; the unbounded
-// softplus gate breaks that kernel's precondition (ops/delta_rule/cuda/delta_rule_cuda.h), so
-// those prefills, head sizes other than 64 / 128, fp32 models and every decode step take the fp32
-// path (gate and beta activated by nn kernels, the fp32 recurrent kernel or the fused decode step).
+// softplus gate breaks that kernel's precondition (ops/delta_rule/cuda/delta_rule_cuda.h)
+// unless KDA_CHUNK_EXACT=1 lifts it, so without the knob those prefills, head sizes other than 64 /
+// 128, fp32 models and every decode step take the fp32 path (gate and beta activated by nn kernels,
+// the fp32 recurrent kernel or the fused decode step).
 #include <cmath>
 
 #include "core/error.h"
@@ -119,8 +120,9 @@ void kda_forward(const KimiLinearConfig& c, const KdaDeviceWeights& w, const voi
   const float* braw = proj + 3 * HK + 2 * K;  // [T, H], row stride width
 
   const ops::DeltaRuleShape shape = kimi::kda_delta_shape(c, T);
-  const bool chunked_bf16 =
-      type == ElementType::bf16 && T > 1 && c.forget_gate_lower_bound && (K == 64 || K == 128);
+  // (the softplus gate too when the chunked forward lifts its gate precondition)
+  const bool chunked_bf16 = type == ElementType::bf16 && T > 1 && (K == 64 || K == 128) &&
+                            (c.forget_gate_lower_bound || k::chunk_forward_any_decay());
   const ElementType o_type = chunked_bf16 ? ElementType::bf16 : ElementType::f32;
   void* o = take<char>(s.attn, T * HK, k::element_bytes(o_type));
   if (chunked_bf16) {
@@ -143,8 +145,9 @@ void kda_forward(const KimiLinearConfig& c, const KdaDeviceWeights& w, const voi
     in.g = gc;
     in.beta = bc;
     in.kda_layer.gate_in_kernel = true;
-    in.kda_layer.gate = ops::KdaGate::lower_bound;
-    in.kda_layer.lower_bound = gate_lower_bound(c);
+    in.kda_layer.gate =
+        c.forget_gate_lower_bound ? ops::KdaGate::lower_bound : ops::KdaGate::softplus;
+    if (c.forget_gate_lower_bound) in.kda_layer.lower_bound = gate_lower_bound(c);
     in.kda_layer.A_log = w.A_log.as<float>();
     in.kda_layer.dt_bias = w.dt_bias.as<float>();
     in.kda_layer.beta_sigmoid = true;

@@ -56,6 +56,14 @@ struct ChunkWorkspace {
   // chunk_state walks only the chunks [piece_begin, piece_end) of each sequence (indices within
   // the sequence); otherwise every chunk.
   int64_t piece_begin = -1, piece_end = 0;
+  // KDA's wide-decay list (kernel-lab knob KDA_CHUNK_EXACT=1; null otherwise): chunk_prepare
+  // appends chunk * HV + hv of every (chunk, value head) where some channel decays by more than
+  // kWideDecayLog2 inside a 16-row block (its split of exp(G_i - G_j) would leave bf16's range),
+  // and chunk_prepare_exact recomputes those chunks' M, W, U (X, A) elementwise in fp32.
+  // wide_count is zeroed before chunk_prepare.
+  unsigned* wide_count = nullptr;
+  static constexpr float kWideDecayLog2 = 112.f;  // above fla's bound: 15 x 5 nats = 108
+  unsigned* wide_list = nullptr;                  // [num_chunks * HV]
   // Optional (backward only; null in the plain forward):
   __nv_bfloat16* X = nullptr;   // prepare: (I + L)^-1, [num_chunks, HV, C, C], zero above diag
   __nv_bfloat16* A = nullptr;   // prepare: decayed K K^T, strictly lower, [num_chunks, HV, C, C]
@@ -132,6 +140,10 @@ struct ChunkGrads {
 
 void launch_chunk_prepare(const ChunkTokens& x, const ChunkWorkspace& ws, Gate gate, int K, int V,
                           cudaStream_t stream);
+// The wide-decay chunks' exact recompute (ChunkWorkspace::wide_list; launched by
+// launch_chunk_prepare after chunk_prepare when the list is on; KDA, Gate::channel).
+void launch_chunk_prepare_exact(const ChunkTokens& x, const ChunkWorkspace& ws, int K, int V,
+                                cudaStream_t stream);
 void launch_chunk_state(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, int K,
                         int V, cudaStream_t stream);
 // chunk_state's grid: blocks of 8 warps (two 32-column tiles) when there are enough (sequence,

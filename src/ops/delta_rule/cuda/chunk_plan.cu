@@ -81,6 +81,11 @@ ChunkPlan make_chunk_plan(const DeltaRuleShape& s, std::span<const int64_t> cu_s
   p.off_m = off, off = align_up(off + rows * kChunk * 2);
   p.off_gc = off, off = align_up(off + size_t(p.num_chunks) * s.HV * s.K * 4);
   p.off_carry = off, off = align_up(off + size_t(p.num_seqs) * s.HV * s.K * s.V * 4);
+  if (s.gate == Gate::channel) {
+    require(uint64_t(p.num_chunks) * uint64_t(s.HV) < (uint64_t(1) << 32),
+            "delta rule (cuda chunk): too many chunks x value heads");
+    p.off_wide = off, off = align_up(off + (1 + size_t(p.num_chunks) * s.HV) * 4);
+  }
   if (backward) {
     const size_t states = size_t(p.num_chunks) * size_t(s.HV) * s.K * s.V;
     p.off_x = off, off = align_up(off + rows * kChunk * 2);
@@ -123,6 +128,10 @@ ChunkWorkspace bind_chunk_workspace(const ChunkPlan& plan, void* workspace, cuda
   ws.U = bf(plan.off_u);
   ws.M = bf(plan.off_m);
   ws.gC = reinterpret_cast<float*>(base + plan.off_gc);
+  if (plan.off_wide) {
+    ws.wide_count = reinterpret_cast<unsigned*>(base + plan.off_wide);
+    ws.wide_list = ws.wide_count + 1;
+  }
   ws.num_chunks = NC;
   ws.num_seqs = N;
   ws.X = bf(plan.off_x);

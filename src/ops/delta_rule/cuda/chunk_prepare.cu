@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "ops/delta_rule/cuda/chunk_kernels.cuh"
+#include "ops/delta_rule/cuda/delta_rule_cuda.h"
 #include "ops/delta_rule/cuda/device_common.cuh"
 #include "ops/delta_rule/cuda/kda_layer_math.cuh"
 
@@ -225,6 +226,7 @@ __global__ void __launch_bounds__(kThreads, 3)
 
     // ---- phase 2: scaled operands (in place in smem) and Qt, Kd, exp(G_C) (workspace) ----
     const float2 gl = *reinterpret_cast<const float2*>(sGl + c0);
+    float widest = 0.f;  // the largest 2^(G_a - G_i) exponent of this thread's rows (>= 0)
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int i = row0 + r;
@@ -239,6 +241,7 @@ __global__ void __launch_bounds__(kThreads, 3)
         }
       }
       const float rel0 = g0[r] - ga.x, rel1 = g1[r] - ga.y;
+      widest = fmaxf(widest, fmaxf(-rel0, -rel1));
       const float es0 = fast_exp2(rel0), es1 = fast_exp2(rel1);
       *pq = pack_bf16(q2.x * es0, q2.y * es1);
       *pk = pack_bf16(k2.x * es0, k2.y * es1);
@@ -248,6 +251,11 @@ __global__ void __launch_bounds__(kThreads, 3)
           pack_bf16(x.scale * q2.x * fast_exp2(g0[r]), x.scale * q2.y * fast_exp2(g1[r]));
       *reinterpret_cast<uint32_t*>(ws.Kd + (row_base + i) * K + c0) =
           pack_bf16(k2.x * fast_exp2(gl.x - g0[r]), k2.y * fast_exp2(gl.y - g1[r]));
+    }
+    if (ws.wide_count) {  // uniform: a kernel parameter
+      // k 2^(G_a - G_j) near the top of bf16's range: chunk_prepare_exact redoes the chunk
+      if (__syncthreads_or(widest > ChunkWorkspace::kWideDecayLog2) && tid == 0)
+        ws.wide_list[atomicAdd(ws.wide_count, 1u)] = unsigned(chunk * x.HV + hv);
     }
     for (int idx = tid; idx < 6 * K; idx += kThreads) {
       const int p = idx / K, c = idx % K;
@@ -590,10 +598,8 @@ void launch_kv(const ChunkTokens& x, const ChunkWorkspace& ws, int K, int V, cud
   return launch<GATE, 64, 64, LAYER>(x, ws, stream);
 }
 
-}  // namespace
-
-void launch_chunk_prepare(const ChunkTokens& x, const ChunkWorkspace& ws, Gate gate, int K, int V,
-                          cudaStream_t stream) {
+void launch_for_gate(const ChunkTokens& x, const ChunkWorkspace& ws, Gate gate, int K, int V,
+                     cudaStream_t stream) {
   if (x.layer.on) {  // chunk_forward allows it for Gate::channel only
     require(gate == Gate::channel, "chunk_prepare: KDA layer options need Gate::channel");
     return launch_kv<Gate::channel, true>(x, ws, K, V, stream);
@@ -608,4 +614,32 @@ void launch_chunk_prepare(const ChunkTokens& x, const ChunkWorkspace& ws, Gate g
   }
 }
 
+}  // namespace
+
+void launch_chunk_prepare(const ChunkTokens& x, const ChunkWorkspace& workspace, Gate gate, int K,
+                          int V, cudaStream_t stream) {
+  // KDA chunks whose decay leaves the split's range are redone by chunk_prepare_exact
+  // (ChunkWorkspace::wide_list) when the knob is on
+  ChunkWorkspace ws = workspace;
+  if (!cuda::chunk_forward_any_decay() || gate != Gate::channel)
+    ws.wide_count = ws.wide_list = nullptr;
+  if (ws.wide_count)
+    check_cuda(cudaMemsetAsync(ws.wide_count, 0, sizeof(unsigned), stream), "wide-decay count");
+  launch_for_gate(x, ws, gate, K, V, stream);
+  if (ws.wide_count) launch_chunk_prepare_exact(x, ws, K, V, stream);
+}
+
 }  // namespace kda::ops::cuda_detail
+
+namespace kda::ops::cuda {
+
+bool chunk_forward_any_decay() {
+  // Kernel-lab knob KDA_CHUNK_EXACT=1 (not yet run on a GPU)
+  static const bool exact = [] {
+    const char* knob = std::getenv("KDA_CHUNK_EXACT");
+    return knob && knob[0] == '1';
+  }();
+  return exact;
+}
+
+}  // namespace kda::ops::cuda

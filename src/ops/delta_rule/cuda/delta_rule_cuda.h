@@ -66,6 +66,9 @@ struct DeltaRuleDeviceInputs {
 // KDA gate precondition (bf16 path): within each aligned 16-token block of a chunk the decay
 // of a channel must not exceed exp(-80) (sum of 15 consecutive g > -80). Gates bounded by
 // fla's lower_bound = -5 always satisfy it; Gated DeltaNet and DeltaNet have no such limit.
+// With the kernel-lab knob KDA_CHUNK_EXACT=1 (not yet run on a GPU) the forward has no such
+// limit either: chunks that break it are redone elementwise in fp32 (chunk_prepare_exact.cu);
+// the backward still needs it.
 //
 // o [B, T, HV, V] (same element type as the inputs); ht [N, HV, K, V] fp32 or null.
 // For one or two long sequences (a state walk of at most one block per SM) the work is cut
@@ -77,6 +80,8 @@ size_t chunk_forward_workspace_bytes(const DeltaRuleShape& shape,
                                      std::span<const int64_t> cu_seqlens);
 void chunk_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void* workspace,
                    size_t workspace_bytes, cudaStream_t stream);
+// Whether chunk_forward lifts the KDA gate precondition (KDA_CHUNK_EXACT=1, above).
+bool chunk_forward_any_decay();
 
 // Backward of chunk_forward (bf16 inputs only): gradients of sum(o * d_o) + sum(ht * d_ht)
 // with respect to q, k, v, g, beta and h0 (and, with in.kda_layer's gate, A_log and dt_bias).

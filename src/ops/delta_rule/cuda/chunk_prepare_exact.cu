@@ -1,0 +1,233 @@
+// chunk_prepare_exact: KDA chunks whose gates decay too fast for chunk_prepare's split, redone
+// in fp32 with every pairwise decay formed elementwise.
+//
+// chunk_prepare forms q_i^T diag(2^(G_i - G_j)) k_j as (q_i 2^(G_i - G_a)) . (k_j 2^(G_a - G_j))
+// around the first row a of i's 16-row block. The right factor grows with the decay inside the
+// block; past ~2^128 (about 88 nats in 16 tokens, which the softplus gate reaches in training)
+// it leaves bf16's range and M, L turn to inf / NaN. fla computes the diagonal blocks
+// elementwise when the gate is not its bounded "safe" gate; here chunk_prepare lists the chunks
+// that need it (ChunkWorkspace::wide_list) and this kernel recomputes their M, T, W, U (and X, A
+// for the backward) from the inputs with exp2(G_i - G_j) <= 1 for every pair: no factor above 1,
+// so nothing overflows and underflow only drops terms below 2^-126. Qt, Kd and exp(G_C) from
+// chunk_prepare are kept (their factors are <= 1 already).
+//
+// Slow by design (one block of 256 threads a listed chunk, ~0.2 M exp2 each, 1 block an SM for
+// its ~180 KB of shared memory): it runs only where the split would have failed.
+#include <algorithm>
+
+#include "ops/delta_rule/cuda/chunk_kernels.cuh"
+#include "ops/delta_rule/cuda/device_common.cuh"
+#include "ops/delta_rule/cuda/kda_layer_math.cuh"
+
+namespace kda::ops::cuda_detail {
+namespace {
+
+using bf16 = __nv_bfloat16;
+constexpr int C = kChunk;
+constexpr int kThreads = 256;
+constexpr float kLog2e = 1.4426950408889634f;
+
+// fp32 tiles; rows of K + 1 so that threads walking different rows of one column hit different
+// banks
+template <int K, int V>
+struct ExactLayout {
+  static constexpr int LDK = K + 1, LDV = V + 1, LDC = C + 1;
+  static constexpr size_t off_q = 0, off_k = off_q + size_t(C) * LDK;
+  static constexpr size_t off_g = off_k + size_t(C) * LDK, off_v = off_g + size_t(C) * LDK;
+  static constexpr size_t off_m = off_v + size_t(C) * LDV, off_l = off_m + size_t(C) * LDC;
+  static constexpr size_t off_x = off_l + size_t(C) * LDC, off_beta = off_x + size_t(C) * LDC;
+  static constexpr size_t floats = off_beta + C;
+  static constexpr size_t bytes = floats * 4;
+};
+
+template <int K, int V, bool LAYER>
+__global__ void __launch_bounds__(kThreads, 1)
+    chunk_prepare_exact_kernel(const ChunkTokens x, const ChunkWorkspace ws) {
+  using L = ExactLayout<K, V>;
+  constexpr int LDK = L::LDK, LDV = L::LDV, LDC = L::LDC;
+  extern __shared__ __align__(16) float sm[];
+  float* sQ = sm + L::off_q;  // q (normalised with the layer's l2norm)
+  float* sK = sm + L::off_k;  // k, then k 2^G (phase 5)
+  float* sG = sm + L::off_g;  // G: log2 cumulative gate from the chunk's start
+  float* sV = sm + L::off_v;
+  float* sM = sm + L::off_m;  // scale q_i . k_j 2^(G_i - G_j), j <= i
+  float* sL = sm + L::off_l;  // A = k_i . k_j 2^(G_i - G_j), j < i; then L = beta_i A
+  float* sX = sm + L::off_x;  // (I + L)^-1, then T = X diag(beta)
+  float* sBeta = sm + L::off_beta;
+  const int tid = threadIdx.x;
+  const unsigned listed = *ws.wide_count;
+
+  for (unsigned e = blockIdx.x; e < listed; e += gridDim.x) {
+    const unsigned entry = ws.wide_list[e];
+    const int64_t chunk = entry / unsigned(x.HV);
+    const int hv = int(entry % unsigned(x.HV));
+    const int h = hv / (x.HV / x.H);
+    const int64_t tok0 = ws.chunk_tok0[chunk];
+    const int len = int(ws.chunk_len[chunk]);
+    const size_t row_base = (size_t(chunk) * x.HV + hv) * C;
+
+    // ---- inputs (rows past the chunk's end are zero; their gate adds nothing) ----
+    for (int idx = tid; idx < C * K; idx += kThreads) {
+      const int i = idx / K, c = idx % K;
+      const bool live = i < len;
+      const size_t qk = (size_t(tok0 + i) * x.H + h) * K + c;
+      sQ[i * LDK + c] = live ? to_f32(x.q[qk]) : 0.f;
+      sK[i * LDK + c] = live ? to_f32(x.k[qk]) : 0.f;
+      float g = live ? to_f32(x.g[(size_t(tok0 + i) * x.HV + hv) * K + c]) : 0.f;
+      if constexpr (LAYER) {
+        if (x.layer.gate && live) {
+          const float a = x.layer.A_log ? __expf(x.layer.A_log[hv]) : 1.f;
+          const float b = x.layer.dt_bias ? x.layer.dt_bias[size_t(hv) * K + c] : 0.f;
+          g = x.layer.gate_softplus ? kda_gate_softplus(a, g + b)
+                                    : kda_gate_bounded(x.layer.lower_bound, a, g + b);
+        }
+      }
+      sG[i * LDK + c] = g * kLog2e;
+    }
+    for (int idx = tid; idx < C * V; idx += kThreads) {
+      const int i = idx / V, c = idx % V;
+      sV[i * LDV + c] = i < len ? to_f32(x.v[(size_t(tok0 + i) * x.HV + hv) * V + c]) : 0.f;
+    }
+    if (tid < C) {
+      float b = tid < len ? to_f32(x.beta[size_t(tok0 + tid) * x.HV + hv]) : 0.f;
+      if constexpr (LAYER)
+        if (x.layer.beta_sigmoid && tid < len) b = kda_beta_sigmoid(b);
+      sBeta[tid] = b;
+    }
+    __syncthreads();
+
+    // ---- G = cumulative sums down each channel; the layer's q / k row norms ----
+    for (int c = tid; c < K; c += kThreads) {
+      float acc = 0.f;
+      for (int i = 0; i < C; ++i) {
+        acc += sG[i * LDK + c];
+        sG[i * LDK + c] = acc;
+      }
+    }
+    if constexpr (LAYER) {
+      if (x.layer.l2norm_qk) {  // as chunk_prepare: 1 / max(|row|, 1e-6), a thread a row
+        if (tid < 2 * C) {
+          float* row = (tid < C ? sQ : sK) + (tid % C) * LDK;
+          float s2 = 0.f;
+          for (int c = 0; c < K; ++c) s2 += row[c] * row[c];
+          const float inv = 1.f / fmaxf(sqrtf(s2), 1e-6f);
+          for (int c = 0; c < K; ++c) row[c] *= inv;
+        }
+      }
+    }
+    __syncthreads();
+
+    // ---- M and A, a thread a (i, j) pair at a time: 2^(G_i - G_j) <= 1 for j <= i ----
+    for (int idx = tid; idx < C * C; idx += kThreads) {
+      const int i = idx / C, j = idx % C;
+      float m = 0.f, a = 0.f;
+      if (j <= i) {
+        const float* qi = sQ + i * LDK;
+        const float* ki = sK + i * LDK;
+        const float* kj = sK + j * LDK;
+        const float* gi = sG + i * LDK;
+        const float* gj = sG + j * LDK;
+        for (int c = 0; c < K; ++c) {
+          const float d = kj[c] * exp2f(gi[c] - gj[c]);
+          m += qi[c] * d;
+          a += ki[c] * d;
+        }
+      }
+      sM[i * LDC + j] = j <= i ? m * x.scale : 0.f;
+      sL[i * LDC + j] = j < i ? a : 0.f;
+    }
+    __syncthreads();
+
+    // M out (zeros above the diagonal); the backward's A; then L = beta_i A in place
+    for (int idx = tid; idx < C * C; idx += kThreads) {
+      const int i = idx / C, j = idx % C;
+      ws.M[(row_base + i) * C + j] = __float2bfloat16(sM[i * LDC + j]);
+      if (ws.A) ws.A[(row_base + i) * C + j] = __float2bfloat16(sL[i * LDC + j]);
+    }
+    __syncthreads();
+    for (int idx = tid; idx < C * C; idx += kThreads) {
+      const int i = idx / C, j = idx % C;
+      sL[i * LDC + j] *= sBeta[i];
+    }
+    // k 2^G for W (k is not read again)
+    for (int idx = tid; idx < C * K; idx += kThreads) {
+      const int i = idx / K, c = idx % K;
+      sK[i * LDK + c] *= exp2f(sG[i * LDK + c]);
+    }
+    __syncthreads();
+
+    // ---- X = (I + L)^-1 by forward substitution, a thread a column ----
+    if (tid < C) {
+      const int j = tid;
+      for (int i = 0; i < C; ++i) {
+        float v = i == j ? 1.f : 0.f;
+        if (i > j) {
+          for (int m = j; m < i; ++m) v -= sL[i * LDC + m] * sX[m * LDC + j];
+        }
+        sX[i * LDC + j] = v;
+      }
+    }
+    __syncthreads();
+    if (ws.X) {  // the backward keeps X (lower, unit diagonal, zeros above)
+      for (int idx = tid; idx < C * C; idx += kThreads) {
+        const int i = idx / C, j = idx % C;
+        ws.X[(row_base + i) * C + j] = __float2bfloat16(sX[i * LDC + j]);
+      }
+      __syncthreads();
+    }
+    for (int idx = tid; idx < C * C; idx += kThreads) {  // T = X diag(beta)
+      const int i = idx / C, j = idx % C;
+      sX[i * LDC + j] *= sBeta[j];
+    }
+    __syncthreads();
+
+    // ---- U = T V, W = T (k 2^G), lower-triangular T ----
+    for (int idx = tid; idx < C * V; idx += kThreads) {
+      const int i = idx / V, c = idx % V;
+      float u = 0.f;
+      for (int j = 0; j <= i; ++j) u += sX[i * LDC + j] * sV[j * LDV + c];
+      ws.U[(row_base + i) * V + c] = __float2bfloat16(u);
+    }
+    for (int idx = tid; idx < C * K; idx += kThreads) {
+      const int i = idx / K, c = idx % K;
+      float w = 0.f;
+      for (int j = 0; j <= i; ++j) w += sX[i * LDC + j] * sK[j * LDK + c];
+      ws.W[(row_base + i) * K + c] = __float2bfloat16(w);
+    }
+    __syncthreads();  // the next listed chunk overwrites the tiles
+  }
+}
+
+template <int K, int V, bool LAYER>
+void launch(const ChunkTokens& x, const ChunkWorkspace& ws, cudaStream_t stream) {
+  using L = ExactLayout<K, V>;
+  static const bool configured = [] {
+    check_cuda(cudaFuncSetAttribute(chunk_prepare_exact_kernel<K, V, LAYER>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::bytes)),
+               "chunk_prepare_exact shared memory limit");
+    return true;
+  }();
+  (void)configured;
+  // the list's length is on the device: a block an SM walks it (most launches find it empty)
+  const unsigned blocks = unsigned(std::max(1, device_sm_count()));
+  chunk_prepare_exact_kernel<K, V, LAYER><<<blocks, kThreads, L::bytes, stream>>>(x, ws);
+  check_launch("chunk_prepare_exact kernel");
+}
+
+template <bool LAYER>
+void launch_kv(const ChunkTokens& x, const ChunkWorkspace& ws, int K, int V, cudaStream_t stream) {
+  if (K == 128 && V == 128) return launch<128, 128, LAYER>(x, ws, stream);
+  if (K == 128 && V == 64) return launch<128, 64, LAYER>(x, ws, stream);
+  if (K == 64 && V == 128) return launch<64, 128, LAYER>(x, ws, stream);
+  return launch<64, 64, LAYER>(x, ws, stream);
+}
+
+}  // namespace
+
+void launch_chunk_prepare_exact(const ChunkTokens& x, const ChunkWorkspace& ws, int K, int V,
+                                cudaStream_t stream) {
+  if (x.layer.on) return launch_kv<true>(x, ws, K, V, stream);
+  launch_kv<false>(x, ws, K, V, stream);
+}
+
+}  // namespace kda::ops::cuda_detail
