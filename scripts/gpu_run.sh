@@ -3,8 +3,8 @@
 # kda_gpu_model, run the model path (kda_gpu_model: layer kernels, attention, MoE, the fixture
 # models through CUDA, then prefill / decode of a Kimi-Linear-shaped model), run the delta-rule
 # kernels' checks against the CPU references, benchmark them, run compute-sanitizer (memcheck,
-# racecheck) on one small case, time fla on the same shapes (when gpu_carry/fla is present), and
-# print the table last. Fixture models come from gpu_carry/shared/models (a copy of
+# racecheck) on one small case, time fla on the same shapes (when gpu_carry/fla is present) and
+# FlashKDA (when flashkda_carry/flashkda is: built in the background), and print the table last. Fixture models come from gpu_carry/shared/models (a copy of
 # ../shared/fixtures/models; only gpt2_tiny keeps grads/, for the gpt2_train suite; ../shared
 # does not travel). How to fill gpu_carry/: docs/GPU_NOTES.md, "Preparing gpu_carry".
 #
@@ -254,6 +254,17 @@ for r in rows[:30]: print("%5s%% %10.2f ms %6s  %s" % (r[0], float(r[1])/1e6, r[
     "$log_dir/lineage_train.log" 2>/dev/null | sed 's/^[^:]*://'
   exit "$status"
 fi
+# FlashKDA beside fla (the full run only; GPU_NOTES "Preparing gpu_carry"): built in the
+# background while ours builds and checks, then timed in the same call (a later call has been
+# seen not to find it)
+flashkda_dir=flashkda_carry/flashkda
+flashkda_pid=""
+if [ "$mode" = "all" ] && [ -f "$flashkda_dir/setup.py" ]; then
+  echo "== FlashKDA: building in the background ($log_dir/flashkda_build.log)"
+  (cd "$flashkda_dir" && FLASH_KDA_CUDA_ARCHS=90a NVCC_THREADS=4 \
+    python3 setup.py build_ext --inplace) >"$log_dir/flashkda_build.log" 2>&1 &
+  flashkda_pid=$!
+fi
 # KDA_GPU_BIN: a kda_gpu_check built elsewhere (sm_90a, KDA_NATIVE=OFF) and carried along; used
 # when it loads on this machine (an unknown flag must give the usage error, exit 2).
 bin=./build-gpu/bin/kda_gpu_check
@@ -368,10 +379,21 @@ if [ -d gpu_carry/fla ]; then
 else
   echo "gpu_carry/fla not found: fla will not be timed (copy fla/ from its repository there)"
 fi
+fla_args=()
+if [ -n "$flashkda_pid" ]; then
+  if wait "$flashkda_pid"; then
+    export PYTHONPATH="$PWD/$flashkda_dir${PYTHONPATH:+:$PYTHONPATH}"
+    fla_args+=(--flashkda)
+  else
+    echo "FlashKDA build failed:"
+    grep -iE "error" "$log_dir/flashkda_build.log" | grep -v pathspec | head -10
+  fi
+fi
 # whatever is left of ~9.5 minutes (the device tool's per-call limit is 10); fla prints the table
 # with what it measured if the limit cuts it short
 left=$((570 - ($(date +%s) - script_start)))
 [ "$left" -lt 60 ] && left=60
 PYTHONUNBUFFERED=1 timeout -k 15 "$left" python3 bench/gpu/fla_bench.py --ours "$log_dir/ours.tsv" \
-  --out "$log_dir/table.md" --budget $((left > 90 ? left - 60 : 30)) 2>&1 | grep -v "Warning\|warn(" | tail -40
+  --out "$log_dir/table.md" --budget $((left > 90 ? left - 60 : 30)) "${fla_args[@]}" 2>&1 |
+  grep -v "Warning\|warn(" | tail -40
 exit "$status"
