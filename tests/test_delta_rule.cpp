@@ -67,6 +67,40 @@ TEST(DeltaRule, StrongDecayCutsChunksAndStaysExact) {
   EXPECT_LE(rel_error(ht, ref.ht), 1e-5);
 }
 
+TEST(DeltaRule, SingleTokenDecayPastExpRangeStaysExact) {
+  // a channel forgetting everything in one token (log-gate below -87, where fast_exp clamps):
+  // each such token is a chunk of its own, whose exp(G) exp(-G) must still be 1, forward and
+  // backward (the backward against the chunked one on gates just inside the range)
+  const DeltaRuleShape shape{1, 40, 1, 2, 16, 8, Gate::channel, 0};
+  auto p = testing::random_delta_problem(11, shape, {}, true, -0.5f, -0.01f);
+  for (size_t i = 0; i < p.g.size(); i += 3) p.g[i] = -90.0f - 30.0f * float(i % 7);
+  const auto ref = testing::run_reference(p);
+  auto o = testing::poisoned(p.o_size()), ht = testing::poisoned(p.state_size());
+  ops::delta_rule_chunk_forward(p.inputs(), o.data(), ht.data());
+  EXPECT_LE(rel_error(o, ref.o), 1e-5);
+  EXPECT_LE(rel_error(ht, ref.ht), 1e-5);
+  // gradients: a decay of e^-90 and one of e^-86 differ by < 1e-37 in every output, so the
+  // gradients of q, k, v, beta and h0 must match a problem whose gates sit at -86 instead
+  auto clamped = p;
+  for (float& g : clamped.g) g = std::max(g, -86.0f);
+  Random rng(12);
+  std::vector<float> d_o(p.o_size()), d_ht(p.state_size());
+  rng.fill_normal(d_o);
+  rng.fill_normal(d_ht);
+  std::vector<std::vector<float>> grads[2];
+  for (int run = 0; run < 2; ++run) {
+    const auto& prob = run ? clamped : p;
+    auto& gr = grads[run];
+    gr = {testing::poisoned(prob.q.size()),    testing::poisoned(prob.k.size()),
+          testing::poisoned(prob.v.size()),    testing::poisoned(prob.g.size()),
+          testing::poisoned(prob.beta.size()), testing::poisoned(prob.h0.size())};
+    ops::delta_rule_chunk_backward(
+        prob.inputs(), d_o.data(), d_ht.data(),
+        {gr[0].data(), gr[1].data(), gr[2].data(), gr[3].data(), gr[4].data(), gr[5].data()}, 64);
+  }
+  for (int t : {0, 1, 2, 4, 5}) EXPECT_LE(rel_error(grads[0][t], grads[1][t]), 1e-5) << t;
+}
+
 TEST(DeltaRule, DecodeStepByStepMatchesPrefill) {
   uint64_t seed = 200;
   for (Gate gate : {Gate::none, Gate::scalar, Gate::channel}) {

@@ -456,7 +456,7 @@ void check_kept_forward(const std::string& name, const cuda::DeltaRuleDeviceInpu
 
 void check_backward(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V,
                     std::vector<int64_t> cu, bool with_h0, bool with_dht, uint64_t seed,
-                    bool strong = false) {
+                    int strong = 0) {
   const auto bf = ElementType::bf16;
   DeltaRuleShape s{B, T, H, HV, K, V, gate, 0};
   const Inputs in = make_inputs(s, cu, with_h0, seed, strong);
@@ -515,7 +515,10 @@ void check_backward(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV, int6
   std::snprintf(name, sizeof name, "backward %s B%lld T%lld H%lld HV%lld K%lld V%lld%s%s%s%s",
                 gate_name(gate), (long long)B, (long long)T, (long long)H, (long long)HV,
                 (long long)K, (long long)V, cu.empty() ? "" : " varlen", with_h0 ? " h0" : "",
-                with_dht ? " dht" : "", strong ? " strong-g" : "");
+                with_dht ? " dht" : "",
+                strong == 1   ? " strong-g"
+                : strong == 2 ? " wide-decay"
+                              : "");
   report(name, "dq", rel_rms(download(dq.ptr, q.size(), bf), wide(rq)), 8e-3);
   report(name, "dk", rel_rms(download(dk.ptr, k.size(), bf), wide(rk)), 8e-3);
   report(name, "dv", rel_rms(download(dv.ptr, v.size(), bf), wide(rv)), 8e-3);
@@ -631,11 +634,11 @@ void check_kda_layer(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int
 // CPU fp32 KDA layer backward (kda_chunk_backward) on the same bf16-rounded raw inputs and do.
 void check_kda_layer_backward(int64_t B, int64_t T, int64_t H, int64_t HV, int64_t K, int64_t V,
                               std::vector<int64_t> cu, bool with_h0, bool with_dht, bool l2norm,
-                              KdaGate gate, uint64_t seed) {
+                              KdaGate gate, uint64_t seed, bool wide_decay = false) {
   const auto bf = ElementType::bf16;
   DeltaRuleShape s{B, T, H, HV, K, V, Gate::channel, 0};
   Inputs in = make_inputs(s, cu, with_h0, seed);
-  const KdaLayerRaw lp = make_layer_raw(in, l2norm, gate, seed);
+  const KdaLayerRaw lp = make_layer_raw(in, l2norm, gate, seed, wide_decay);
   const Uploaded u = upload_all(in, bf);
   const int64_t N = in.N, tokens = in.tokens;
   Random rng(seed + 7);
@@ -689,9 +692,10 @@ void check_kda_layer_backward(int64_t B, int64_t T, int64_t H, int64_t HV, int64
   ck(cudaDeviceSynchronize(), "kda layer backward");
   auto wide = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
   char name[160];
-  std::snprintf(name, sizeof name, "backward kda-layer %s%s B%lld T%lld H%lld HV%lld K%lld%s%s%s",
-                gate == KdaGate::softplus ? "softplus" : "lower-bound", l2norm ? " l2norm" : "",
-                (long long)B, (long long)T, (long long)H, (long long)HV, (long long)K,
+  std::snprintf(name, sizeof name, "backward kda-layer %s%s%s B%lld T%lld H%lld HV%lld K%lld%s%s%s",
+                gate == KdaGate::softplus ? "softplus" : "lower-bound",
+                wide_decay ? " wide-decay" : "", l2norm ? " l2norm" : "", (long long)B,
+                (long long)T, (long long)H, (long long)HV, (long long)K,
                 cu.empty() ? "" : " varlen", with_h0 ? " h0" : "", with_dht ? " dht" : "");
   const auto f32 = ElementType::f32;
   report(name, "dq", rel_rms(download(dq.ptr, q.size(), bf), wide(rq)), 8e-3);
@@ -1198,6 +1202,11 @@ void run_checks() {
                   2);
     check_forward(Gate::channel, 1, 521, 1, 2, 64, 64, varlen, true, ElementType::bf16, false, ++ws,
                   2);
+    // the backward: chunk_bwd_local's pairwise terms formed elementwise in the listed chunks
+    check_kda_layer_backward(2, 65, 2, 4, 128, 128, {}, true, true, true, sp, ++ws, true);
+    check_kda_layer_backward(1, 521, 1, 2, 64, 64, varlen, true, false, true, sp, ++ws, true);
+    check_kda_layer_backward(2, 200, 2, 2, 128, 128, {}, true, true, false, sp, ++ws, true);
+    check_backward(Gate::channel, 2, 130, 2, 4, 128, 128, {}, true, true, ++ws, 2);
   } else {
     std::printf(
         "NOTE the wide-decay checks (softplus gate past the split) need KDA_CHUNK_EXACT=1\n");

@@ -68,7 +68,11 @@ void ChunkWork::load_and_prepare(const DeltaRuleInputs<float>& in, int64_t seq_s
       std::fill_n(Gi, K, 0.0f);
     } else {
       const float* g = in.g + (tok * HV + hv) * gw;
-      for (int64_t c = 0; c < K; ++c) Gi[c] = (prev ? prev[c] : 0.0f) + g[gw == 1 ? 0 : c];
+      // plan_chunks keeps a chunk's G within [-60, 20] but for a chunk of one token, whose log
+      // decay may pass fast_exp's clamp (-87): held there, E * Einv stays 1, and a decay of
+      // e^-87 instead of a stronger one changes nothing fp32 can hold
+      for (int64_t c = 0; c < K; ++c)
+        Gi[c] = std::clamp((prev ? prev[c] : 0.0f) + g[gw == 1 ? 0 : c], -87.0f, 87.0f);
     }
   }
   {

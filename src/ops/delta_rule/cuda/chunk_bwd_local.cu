@@ -14,8 +14,10 @@
 //      part of dG summed from the nearer end of the chunk),
 //      dbeta = rowsum(dL * A) + rowsum(dVb * v) - rowsum((dVb S0^T) * Kt)
 // KDA's pairwise decays use chunk_prepare's anchors (first row of each 16-row block): the
-// operands carry factors <= 1 or bounded by 15 tokens of decay. Scalar gates fold the decay
-// into dAqk / dAkk. Products on bf16 tensor cores with fp32 accumulation; G, dq, dk, dG fp32.
+// operands carry factors <= 1 or bounded by 15 tokens of decay; with KDA_CHUNK_EXACT=1 a chunk
+// whose decay leaves that range forms step 4 elementwise in fp32 instead (exact_pairs).
+// Scalar gates fold the decay into dAqk / dAkk. Products on bf16 tensor cores with fp32
+// accumulation; G, dq, dk, dG fp32.
 //
 // A KDA layer's options (x.layer, runtime flags): the q / k rows are L2-normalised in shared
 // memory once loaded, g and beta activated as loaded (kda_layer_math.cuh, as chunk_prepare), so
@@ -25,6 +27,7 @@
 // a block); dbeta to dbraw.
 
 #include "ops/delta_rule/cuda/chunk_kernels.cuh"
+#include "ops/delta_rule/cuda/delta_rule_cuda.h"
 #include "ops/delta_rule/cuda/device_common.cuh"
 #include "ops/delta_rule/cuda/kda_layer_math.cuh"
 
@@ -89,7 +92,10 @@ __device__ __forceinline__ void add_rows(float* dst, int r0, float lo, float hi,
   }
 }
 
-template <Gate GATE, int K, int V>
+// EXACT (KDA only, KDA_CHUNK_EXACT=1): the instance with the elementwise step 4 for wide-decay
+// chunks; a separate instance, so that the default one keeps its registers (the extra branch
+// costs the K = 128 instance ~40 bytes of spills)
+template <Gate GATE, int K, int V, bool EXACT = false>
 __global__ void __launch_bounds__(kThreads, 1)
     chunk_bwd_local_kernel(const ChunkTokens x, const ChunkWorkspace ws, const ChunkGrads gd) {
   using L = LocalLayout<GATE, K, V>;
@@ -530,13 +536,24 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
   }
   __syncthreads();
+  // KDA_CHUNK_EXACT (the EXACT instance): a chunk whose decay leaves the anchors' split (the test
+  // chunk_prepare flags chunks by) forms step 4's pairwise terms elementwise in fp32 instead
+  bool exact_pairs = false;
+  if constexpr (kChannel && EXACT) {
+    bool wide = false;
+    for (int idx = tid; idx < C * K; idx += kThreads) {
+      const int i = idx / K, c = idx % K;
+      wide |= sG[(i & ~15) * LDG + c] - sG[i * LDG + c] > ChunkWorkspace::kWideDecayLog2;
+    }
+    exact_pairs = __syncthreads_or(wide);
+  }
   // KDA operands for step 4 (t0 = Qs, t3 = Ks, t1 = Kn; dD, R, dTm are dead):
   //   Qs_i = q_i 2^(G_i - G_a), Ks_i = k_i 2^(G_i - G_a), Kn_i = k_i 2^(G_a - G_i), a = 16 (i / 16)
   //   F[I, J] = 2^(G_aI - G_aJ) for J < I
   bf16* sQs = kChannel ? t0 : sq;
   bf16* sKs = kChannel ? t3 : sk;
   bf16* sKn = kChannel ? t1 : sk;
-  if constexpr (kChannel) {
+  if (kChannel && !exact_pairs) {
     for (int idx = tid; idx < C * K / 8; idx += kThreads) {
       const int i = idx / (K / 8), c = (idx % (K / 8)) * 8;
       float q8[8], k8[8], qs[8], ks[8], kn[8];
@@ -614,87 +631,117 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ---- step 4: pairwise terms ----
-  // 4a: dq_i += 2^(G_i - G_aI) sum_{J <= I} dAqk[I, J] (Kn_J F[I, J]); 4b: the same with dAkk
-  // into a (dk += a, dG += k a)
+  if (!exact_pairs) {
+    // 4a: dq_i += 2^(G_i - G_aI) sum_{J <= I} dAqk[I, J] (Kn_J F[I, J]); 4b: the same with dAkk
+    // into a (dk += a, dG += k a)
 #pragma unroll
-  for (int pass = 0; pass < 2; ++pass) {
-    const bf16* dA = pass == 0 ? sdAqk : sdAkk;
-    float acc[NTK][4] = {};
-    for (int J = 0; J <= wm; ++J) {
-      uint32_t a[4];
-      load_a(a, dA, LDC, m0, 16 * J, lane);
+    for (int pass = 0; pass < 2; ++pass) {
+      const bf16* dA = pass == 0 ? sdAqk : sdAkk;
+      float acc[NTK][4] = {};
+      for (int J = 0; J <= wm; ++J) {
+        uint32_t a[4];
+        load_a(a, dA, LDC, m0, 16 * J, lane);
 #pragma unroll
-      for (int np = 0; np < NTK / 2; ++np) {
-        uint32_t b[4];
-        load_b_kn(b, sKn, kChannel ? LDT : LDK, 16 * J, kb + 16 * np, lane);
-        if constexpr (kChannel) {
-          if (J < wm) {
-            const float* f = sF + (wm * (wm - 1) / 2 + J) * K + kb + 16 * np + gr;
-            b[0] = scale_bf16x2(b[0], f[0], f[0]);
-            b[1] = scale_bf16x2(b[1], f[0], f[0]);
-            b[2] = scale_bf16x2(b[2], f[8], f[8]);
-            b[3] = scale_bf16x2(b[3], f[8], f[8]);
-          }
-        }
-        mma_bf16(acc[2 * np], a, b[0], b[1]);
-        mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < NTK; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = fr.row(m0, e), c = fr.col(kb, nt, e);
-        float v = acc[nt][e];
-        if constexpr (kChannel) v *= fast_exp2(sG[r * LDG + c] - sG[m0 * LDG + c]);
-        if (pass == 0) {
-          dq[nt][e] += v;
-        } else {
-          dk[nt][e] += v;
-          dG[nt][e] += bf(sk + r * LDK + c) * v;
-        }
-      }
-  }
-  {
-    // 4c: b_j += 2^(G_aJ - G_j) sum_{I >= J} (dAqk[I, J]^T Qs_I + dAkk[I, J]^T Ks_I) F[I, J]
-    float acc[NTK][4] = {};
-    for (int I = wm; I < C / 16; ++I) {
-      uint32_t aq[4], ak[4];
-      load_a_trans(aq, sdAqk, LDC, m0, 16 * I, lane);
-      load_a_trans(ak, sdAkk, LDC, m0, 16 * I, lane);
-#pragma unroll
-      for (int np = 0; np < NTK / 2; ++np) {
-        uint32_t bq[4], bk[4];
-        load_b_kn(bq, sQs, kChannel ? LDT : LDK, 16 * I, kb + 16 * np, lane);
-        load_b_kn(bk, sKs, kChannel ? LDT : LDK, 16 * I, kb + 16 * np, lane);
-        if constexpr (kChannel) {
-          if (I > wm) {
-            const float* f = sF + (I * (I - 1) / 2 + wm) * K + kb + 16 * np + gr;
-#pragma unroll
-            for (int u = 0; u < 2; ++u) {
-              bq[u] = scale_bf16x2(bq[u], f[0], f[0]);
-              bk[u] = scale_bf16x2(bk[u], f[0], f[0]);
-              bq[u + 2] = scale_bf16x2(bq[u + 2], f[8], f[8]);
-              bk[u + 2] = scale_bf16x2(bk[u + 2], f[8], f[8]);
+        for (int np = 0; np < NTK / 2; ++np) {
+          uint32_t b[4];
+          load_b_kn(b, sKn, kChannel ? LDT : LDK, 16 * J, kb + 16 * np, lane);
+          if constexpr (kChannel) {
+            if (J < wm) {
+              const float* f = sF + (wm * (wm - 1) / 2 + J) * K + kb + 16 * np + gr;
+              b[0] = scale_bf16x2(b[0], f[0], f[0]);
+              b[1] = scale_bf16x2(b[1], f[0], f[0]);
+              b[2] = scale_bf16x2(b[2], f[8], f[8]);
+              b[3] = scale_bf16x2(b[3], f[8], f[8]);
             }
           }
+          mma_bf16(acc[2 * np], a, b[0], b[1]);
+          mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
         }
-        mma_bf16(acc[2 * np], aq, bq[0], bq[1]);
-        mma_bf16(acc[2 * np + 1], aq, bq[2], bq[3]);
-        mma_bf16(acc[2 * np], ak, bk[0], bk[1]);
-        mma_bf16(acc[2 * np + 1], ak, bk[2], bk[3]);
       }
-    }
 #pragma unroll
-    for (int nt = 0; nt < NTK; ++nt)
+      for (int nt = 0; nt < NTK; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = fr.row(m0, e), c = fr.col(kb, nt, e);
+          float v = acc[nt][e];
+          if constexpr (kChannel) v *= fast_exp2(sG[r * LDG + c] - sG[m0 * LDG + c]);
+          if (pass == 0) {
+            dq[nt][e] += v;
+          } else {
+            dk[nt][e] += v;
+            dG[nt][e] += bf(sk + r * LDK + c) * v;
+          }
+        }
+    }
+    {
+      // 4c: b_j += 2^(G_aJ - G_j) sum_{I >= J} (dAqk[I, J]^T Qs_I + dAkk[I, J]^T Ks_I) F[I, J]
+      float acc[NTK][4] = {};
+      for (int I = wm; I < C / 16; ++I) {
+        uint32_t aq[4], ak[4];
+        load_a_trans(aq, sdAqk, LDC, m0, 16 * I, lane);
+        load_a_trans(ak, sdAkk, LDC, m0, 16 * I, lane);
+#pragma unroll
+        for (int np = 0; np < NTK / 2; ++np) {
+          uint32_t bq[4], bk[4];
+          load_b_kn(bq, sQs, kChannel ? LDT : LDK, 16 * I, kb + 16 * np, lane);
+          load_b_kn(bk, sKs, kChannel ? LDT : LDK, 16 * I, kb + 16 * np, lane);
+          if constexpr (kChannel) {
+            if (I > wm) {
+              const float* f = sF + (I * (I - 1) / 2 + wm) * K + kb + 16 * np + gr;
+#pragma unroll
+              for (int u = 0; u < 2; ++u) {
+                bq[u] = scale_bf16x2(bq[u], f[0], f[0]);
+                bk[u] = scale_bf16x2(bk[u], f[0], f[0]);
+                bq[u + 2] = scale_bf16x2(bq[u + 2], f[8], f[8]);
+                bk[u + 2] = scale_bf16x2(bk[u + 2], f[8], f[8]);
+              }
+            }
+          }
+          mma_bf16(acc[2 * np], aq, bq[0], bq[1]);
+          mma_bf16(acc[2 * np + 1], aq, bq[2], bq[3]);
+          mma_bf16(acc[2 * np], ak, bk[0], bk[1]);
+          mma_bf16(acc[2 * np + 1], ak, bk[2], bk[3]);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < NTK; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = fr.row(m0, e), c = fr.col(kb, nt, e);
+          float v = acc[nt][e];
+          if constexpr (kChannel) v *= fast_exp2(sG[m0 * LDG + c] - sG[r * LDG + c]);
+          dk[nt][e] += v;
+          dG[nt][e] -= bf(sk + r * LDK + c) * v;
+        }
+    }
+  } else {
+    // elementwise (exact_pairs, KDA only): dq_i += sum_{j <= i} dAqk_ij k_j 2^(G_i - G_j),
+    // a_i = sum_{j < i} dAkk_ij k_j 2^(G_i - G_j), b_j = sum_{i >= j} (dAqk_ij q_i + dAkk_ij k_i)
+    // 2^(G_i - G_j): every factor <= 1 (the anchored operands above would overflow here)
+    // (nt, e) unrolled: dq / dk / dG indexed at run time would move them to local memory for
+    // the whole kernel (the fast path's too)
+#pragma unroll
+    for (int nt = 0; nt < NTK; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = fr.row(m0, e), c = fr.col(kb, nt, e);
-        float v = acc[nt][e];
-        if constexpr (kChannel) v *= fast_exp2(sG[m0 * LDG + c] - sG[r * LDG + c]);
-        dk[nt][e] += v;
-        dG[nt][e] -= bf(sk + r * LDK + c) * v;
+        const float g_r = sG[r * LDG + c];
+        float pq = 0.f, pa = 0.f, pb = 0.f;
+        for (int j = 0; j <= r; ++j) {
+          const float kd = bf(sk + j * LDK + c) * exp2f(g_r - sG[j * LDG + c]);
+          pq += bf(sdAqk + r * LDC + j) * kd;
+          if (j < r) pa += bf(sdAkk + r * LDC + j) * kd;
+        }
+        for (int i = r; i < C; ++i) {
+          float t = bf(sdAqk + i * LDC + r) * bf(sq + i * LDK + c);
+          if (i > r) t += bf(sdAkk + i * LDC + r) * bf(sk + i * LDK + c);
+          pb += t * exp2f(sG[i * LDG + c] - g_r);
+        }
+        dq[nt][e] += pq;
+        dk[nt][e] += pa + pb;
+        dG[nt][e] += bf(sk + r * LDK + c) * (pa - pb);
       }
+    }
   }
 
   // ---- step 5: dG += q dq; write dq, dk; dg by reverse cumulative sum; dbeta ----
@@ -807,7 +854,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-template <Gate GATE, int K, int V>
+template <Gate GATE, int K, int V, bool EXACT>
 void launch(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd,
             cudaStream_t stream) {
   using L = LocalLayout<GATE, K, V>;
@@ -815,7 +862,7 @@ void launch(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd
   constexpr size_t most = kChannel ? L::total_layer : L::total;
   static_assert(most <= 227 * 1024, "chunk_bwd_local: shared memory");
   static const bool configured = [] {
-    check_cuda(cudaFuncSetAttribute(chunk_bwd_local_kernel<GATE, K, V>,
+    check_cuda(cudaFuncSetAttribute(chunk_bwd_local_kernel<GATE, K, V, EXACT>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, int(most)),
                "chunk_bwd_local shared memory limit");
     return true;
@@ -823,16 +870,16 @@ void launch(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd
   (void)configured;
   const dim3 grid(unsigned(ws.num_chunks), unsigned(x.HV));
   const size_t bytes = kChannel && x.layer.gate ? L::total_layer : L::total;
-  chunk_bwd_local_kernel<GATE, K, V><<<grid, kThreads, bytes, stream>>>(x, ws, gd);
+  chunk_bwd_local_kernel<GATE, K, V, EXACT><<<grid, kThreads, bytes, stream>>>(x, ws, gd);
   check_launch("chunk_bwd_local kernel");
 }
 
-template <Gate GATE>
+template <Gate GATE, bool EXACT = false>
 void launch_kv(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd, int K, int V,
                cudaStream_t stream) {
-  if (K == 128 && V == 128) return launch<GATE, 128, 128>(x, ws, gd, stream);
+  if (K == 128 && V == 128) return launch<GATE, 128, 128, EXACT>(x, ws, gd, stream);
   require(K == 64 && V == 64, "chunk_bwd_local: K = V = 64 or 128");
-  return launch<GATE, 64, 64>(x, ws, gd, stream);
+  return launch<GATE, 64, 64, EXACT>(x, ws, gd, stream);
 }
 
 // One thread per 4 channels of one (token, q / k head) row; a row's K / 4 threads are adjacent
@@ -903,8 +950,11 @@ __global__ void finish_qk_grads_kernel(const float* __restrict__ dq_part,
 
 void launch_chunk_bwd_local(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd,
                             Gate gate, int K, int V, cudaStream_t stream) {
+  // KDA chunks beyond the split's range form their pairwise terms exactly (KDA_CHUNK_EXACT=1)
   switch (gate) {
     case Gate::channel:
+      if (cuda::chunk_forward_any_decay())
+        return launch_kv<Gate::channel, true>(x, ws, gd, K, V, stream);
       return launch_kv<Gate::channel>(x, ws, gd, K, V, stream);
     case Gate::scalar:
       return launch_kv<Gate::scalar>(x, ws, gd, K, V, stream);

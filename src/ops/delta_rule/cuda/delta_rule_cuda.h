@@ -66,9 +66,9 @@ struct DeltaRuleDeviceInputs {
 // KDA gate precondition (bf16 path): within each aligned 16-token block of a chunk the decay
 // of a channel must not exceed exp(-80) (sum of 15 consecutive g > -80). Gates bounded by
 // fla's lower_bound = -5 always satisfy it; Gated DeltaNet and DeltaNet have no such limit.
-// With the kernel-lab knob KDA_CHUNK_EXACT=1 (not yet run on a GPU) the forward has no such
-// limit either: chunks that break it are redone elementwise in fp32 (chunk_prepare_exact.cu);
-// the backward still needs it.
+// With the kernel-lab knob KDA_CHUNK_EXACT=1 (not yet run on a GPU) neither the forward nor the
+// backward has this limit: the chunks that break it are redone elementwise in fp32
+// (chunk_prepare_exact.cu; chunk_bwd_local's pairwise terms).
 //
 // o [B, T, HV, V] (same element type as the inputs); ht [N, HV, K, V] fp32 or null.
 // For one or two long sequences (a state walk of at most one block per SM) the work is cut
@@ -87,11 +87,12 @@ bool chunk_forward_any_decay();
 // with respect to q, k, v, g, beta and h0 (and, with in.kda_layer's gate, A_log and dt_bias).
 // Recomputes the forward's chunk quantities and the state entering every chunk, walks the chunks
 // backwards carrying dS, then computes each chunk's gradients in parallel (see chunk_kernels.cuh).
-// Supported: K = V in {64, 128}; the KDA gate precondition of chunk_forward applies. d_o [B, T, HV,
-// V] (bf16); d_ht fp32 [N, HV, K, V] or null (zero). Gradients have the inputs' layouts and element
-// type (bf16), dh0 fp32; dg is not written for Gate::none and may be null then; dh0 may be null.
-// `workspace` must hold chunk_backward_workspace_bytes(...) bytes (forward workspace + per-chunk
-// states and their gradients, ~4 * K * V bytes per chunk and value head).
+// Supported: K = V in {64, 128}; the KDA gate precondition of chunk_forward applies (unless
+// KDA_CHUNK_EXACT=1). d_o [B, T, HV, V] (bf16); d_ht fp32 [N, HV, K, V] or null (zero).
+// Gradients have the inputs' layouts and element type (bf16), dh0 fp32; dg is not written for
+// Gate::none and may be null then; dh0 may be null. `workspace` must hold
+// chunk_backward_workspace_bytes(...) bytes (forward workspace + per-chunk states and their
+// gradients, ~4 * K * V bytes per chunk and value head).
 //
 // With in.kda_layer (the same options as the forward's) every gradient is with respect to the
 // RAW input the caller passed: dq, dk of the raw q, k rows (through the L2 norm, l2norm_qk),
