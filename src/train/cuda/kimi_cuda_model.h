@@ -14,7 +14,8 @@
 //    x rsqrt(sum x^2 + 1e-6) (relative difference ~1e-6 / (2 |x|^2));
 //  - Kimi's unbounded softplus gate is applied inside the chunked kernel, whose precondition
 //    (no channel decays by more than e^-80 over 16 tokens) an extreme gate can break; a
-//    forget_gate_lower_bound in the config (fla's safe gate) always satisfies it.
+//    forget_gate_lower_bound in the config (fla's safe gate) always satisfies it, and
+//    KDA_CHUNK_EXACT=1 lifts it (wide-decay chunks redone in fp32; not yet run on a GPU).
 // Determinism: everything but KDA's dA_log / ddt_bias (fp32 atomics in the kernel) gives the
 // same bits run to run. The MoE copies each layer's top-k ids to the host (one synchronisation
 // per MoE layer and pass) to group the tokens by expert.

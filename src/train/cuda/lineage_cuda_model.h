@@ -11,8 +11,8 @@
 // inputs to bf16 (fla's precision), so losses agree to ~1e-3 and gradients to ~1e-2. The KDA
 // layer's gate is applied inside the chunked kernel, whose precondition (no channel decays by
 // more than e^-80 over 16 tokens) a softplus gate can break in training: LineageConfig's
-// "bounded" gate never does. KDA's dA_log / ddt_bias sum over tokens with fp32 atomics, so
-// two runs agree to rounding, not bit for bit.
+// "bounded" gate never does, and KDA_CHUNK_EXACT=1 lifts it (not yet run on a GPU). KDA's dA_log /
+// ddt_bias sum over tokens with fp32 atomics, so two runs agree to rounding, not bit for bit.
 #pragma once
 #include <cuda_runtime.h>
 
