@@ -9,8 +9,9 @@
 # does not travel). How to fill gpu_carry/: docs/GPU_NOTES.md, "Preparing gpu_carry".
 #
 #   scripts/gpu_run.sh [--check-only | --bench-only | --no-fla | --model | --train | --lab |
-#                       --lab-rows]
+#                       --lab-rows | --flashkda]
 #
+# --flashkda: the KDA forward rows beside fla's and FlashKDA's only (a ~5-minute call).
 # --no-fla: everything but timing fla (a quicker call).
 # --model:  the model path (checks + benchmarks) and the delta-rule kernels' checks only; then
 #           the kda binary on the GPU (verify, run, and bench decode --device cuda).
@@ -18,11 +19,9 @@
 #           same with KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1 (the wgmma state walks, forward and
 #           reverse, forced on every grid; the default takes them on full grids only), the decode
 #           checks with KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1 (the state fetched before the
-#           programmatic wait; the back-to-back chain check among them), every check and the
-#           model checks with KDA_CHUNK_EXACT=1 (chunks whose KDA decay leaves chunk_prepare's
-#           split redone in fp32; the wide-decay checks run only with it), racecheck --small and
-#           the B = 16 decode rows, the chunked forward rows with the defaults and with
-#           KDA_CHUNK_EXACT=1, twice each (KDA_LAB_KNOBS: other ';'-separated knob sets); with
+#           programmatic wait; the back-to-back chain check among them), the model checks
+#           (kda_gpu_model --check model), racecheck --small and the B = 16 decode rows, the
+#           chunked forward rows (KDA_LAB_KNOBS: ';'-separated knob sets to time instead); with
 #           KDA_LAB_TRAIN=1 also
 #           kda_gpu_train --check (the lineage GPU trainer against the CPU one) plain and with
 #           the wgmma walks, then kda_gpu_train --profile-recall (the call is then ~10 minutes).
@@ -100,19 +99,12 @@ if [ "$mode" = "--lab" ]; then
     >"$log_dir/lab_check_wgmma.log" 2>&1 || status=1
   grep -E "FAIL|NOTE" "$log_dir/lab_check_wgmma.log" | head -20
   echo "wgmma checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_check_wgmma.log") pass"
-  # the exact recompute of wide-decay KDA chunks (chunk_prepare_exact.cu): every check (the
-  # wide-decay ones run only with it), then the model path (kimi-mini's softplus-gate bf16
-  # prefill takes the chunked kernel with it)
-  echo "== kda_gpu_check --check with KDA_CHUNK_EXACT=1"
-  KDA_CHUNK_EXACT=1 timeout 240 ./build-gpu-app/bin/kda_gpu_check --check \
-    >"$log_dir/lab_check_exact.log" 2>&1 || status=1
-  grep -E "FAIL|wide-decay" "$log_dir/lab_check_exact.log" | head -30
-  echo "exact checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_check_exact.log") pass"
-  echo "== kda_gpu_model --check with KDA_CHUNK_EXACT=1"
-  KDA_CHUNK_EXACT=1 timeout 200 ./build-gpu-app/bin/kda_gpu_model --check --shared gpu_carry/shared model \
-    >"$log_dir/lab_model_exact.log" 2>&1 || status=1
-  grep -E "FAIL|kimi-mini" "$log_dir/lab_model_exact.log" | head -20
-  echo "model checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_model_exact.log") pass"
+  # the model path (kimi-mini's softplus-gate bf16 prefill on the chunked kernel among it)
+  echo "== kda_gpu_model --check model"
+  timeout 200 ./build-gpu-app/bin/kda_gpu_model --check --shared gpu_carry/shared model \
+    >"$log_dir/lab_model.log" 2>&1 || status=1
+  grep -E "FAIL" "$log_dir/lab_model.log" | head -20
+  echo "model checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_model.log") pass"
   # decode: the state fetched before the programmatic wait
   # (KDA_DECODE_PREFETCH, with KDA_DECODE_OVERLAP): the decode checks, the back-to-back chain
   # among them
@@ -130,7 +122,7 @@ if [ "$mode" = "--lab" ]; then
   grep -E "RACECHECK SUMMARY|Race reported" "$log_dir/lab_racecheck.log" | head -4
   timeout 120 ./build-gpu-app/bin/kda_gpu_check --decode --bench 2>&1 |
     grep -E "BENCH decode (kda|gdn) B=16 (auto|graph|same)"
-  chunk_rows "${KDA_LAB_KNOBS:-;KDA_CHUNK_EXACT=1;;KDA_CHUNK_EXACT=1}"
+  chunk_rows "${KDA_LAB_KNOBS:-KDA_BENCH_ONLY=chunk}"
   if [ "${KDA_LAB_TRAIN:-0}" != "1" ]; then
     echo "(the trainer's checks and the recall profile: KDA_LAB_TRAIN=1)"
     exit "$status"
@@ -259,7 +251,7 @@ fi
 # seen not to find it)
 flashkda_dir=flashkda_carry/flashkda
 flashkda_pid=""
-if [ "$mode" = "all" ] && [ -f "$flashkda_dir/setup.py" ]; then
+if { [ "$mode" = "all" ] || [ "$mode" = "--flashkda" ]; } && [ -f "$flashkda_dir/setup.py" ]; then
   echo "== FlashKDA: building in the background ($log_dir/flashkda_build.log)"
   (cd "$flashkda_dir" && FLASH_KDA_CUDA_ARCHS=90a NVCC_THREADS=4 \
     python3 setup.py build_ext --inplace) >"$log_dir/flashkda_build.log" 2>&1 &
@@ -291,6 +283,26 @@ if command -v cuobjdump >/dev/null; then
   awk '/Function/{f=$2} /REG:/{print $1, $2, $4, f}' "$log_dir/res_usage.log" |
     { command -v c++filt >/dev/null && c++filt || cat; } |
     grep -E "chunk_state_kernel|decode_kernel|chunk_prepare_kernel" | cut -c1-150 | sort -u
+fi
+
+# --flashkda: the KDA forward rows alone beside fla and FlashKDA (a short call), whole table
+if [ "$mode" = "--flashkda" ]; then
+  KDA_BENCH_ONLY=kda timeout 120 "$bin" --bench --out "$log_dir/ours.tsv" >"$log_dir/check_bench.log" 2>&1
+  grep "^BENCH" "$log_dir/check_bench.log"
+  export PYTHONPATH="$PWD/gpu_carry${PYTHONPATH:+:$PYTHONPATH}"
+  fla_args=(--only-kda)
+  if [ -n "$flashkda_pid" ] && wait "$flashkda_pid"; then
+    export PYTHONPATH="$PWD/$flashkda_dir:$PYTHONPATH"
+    fla_args+=(--flashkda)
+  else
+    echo "FlashKDA not built:"
+    grep -iE "error" "$log_dir/flashkda_build.log" | grep -v pathspec | head -10
+  fi
+  left=$((330 - ($(date +%s) - script_start)))
+  [ "$left" -lt 60 ] && left=60
+  PYTHONUNBUFFERED=1 timeout -k 15 "$left" python3 bench/gpu/fla_bench.py --ours "$log_dir/ours.tsv" \
+    --out "$log_dir/table.md" --budget $((left - 30)) "${fla_args[@]}" 2>&1 | grep -v "Warning\|warn("
+  exit 0
 fi
 
 model_status=0

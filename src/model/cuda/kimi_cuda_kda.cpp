@@ -6,11 +6,10 @@
 //   o = KDA(q, k, v, graw, b; A_log, dt_bias)       chunked kernel, or the fused decode step
 //   y = o_proj(RMSNorm(o) * o_norm * sigmoid(gate))
 //
-// Which KDA kernel: bf16 prefills with a bounded gate (forget_gate_lower_bound, fla's safe gate)
-// run the tensor-core chunked kernel with the gate and beta activated inside it; the unbounded
-// softplus gate breaks that kernel's precondition (ops/delta_rule/cuda/delta_rule_cuda.h)
-// unless KDA_CHUNK_EXACT=1 lifts it, so without the knob those prefills, head sizes other than 64 /
-// 128, fp32 models and every decode step take the fp32 path (gate and beta activated by nn kernels,
+// Which KDA kernel: bf16 prefills (either gate: the chunks where the softplus gate decays past the
+// tensor-core split are redone in fp32 inside it, ops/delta_rule/cuda/delta_rule_cuda.h) run the
+// chunked kernel with the gate and beta activated inside it; head sizes other than 64 / 128, fp32
+// models and every decode step take the fp32 path (gate and beta activated by nn kernels,
 // the fp32 recurrent kernel or the fused decode step).
 #include <cmath>
 
@@ -120,9 +119,7 @@ void kda_forward(const KimiLinearConfig& c, const KdaDeviceWeights& w, const voi
   const float* braw = proj + 3 * HK + 2 * K;  // [T, H], row stride width
 
   const ops::DeltaRuleShape shape = kimi::kda_delta_shape(c, T);
-  // (the softplus gate too when the chunked forward lifts its gate precondition)
-  const bool chunked_bf16 = type == ElementType::bf16 && T > 1 && (K == 64 || K == 128) &&
-                            (c.forget_gate_lower_bound || k::chunk_forward_any_decay());
+  const bool chunked_bf16 = type == ElementType::bf16 && T > 1 && (K == 64 || K == 128);
   const ElementType o_type = chunked_bf16 ? ElementType::bf16 : ElementType::f32;
   void* o = take<char>(s.attn, T * HK, k::element_bytes(o_type));
   if (chunked_bf16) {

@@ -12,10 +12,8 @@
 //    bf16 noise, so the expert selection equals the CPU's unless two scores nearly tie;
 //  - the KDA kernel normalises q, k as x / max(|x|, 1e-6) where transformers uses
 //    x rsqrt(sum x^2 + 1e-6) (relative difference ~1e-6 / (2 |x|^2));
-//  - Kimi's unbounded softplus gate is applied inside the chunked kernel, whose precondition
-//    (no channel decays by more than e^-80 over 16 tokens) an extreme gate can break; a
-//    forget_gate_lower_bound in the config (fla's safe gate) always satisfies it, and
-//    KDA_CHUNK_EXACT=1 lifts it (wide-decay chunks redone in fp32; not yet run on a GPU).
+//  - Kimi's unbounded softplus gate is applied inside the chunked kernel; the chunks where it
+//    decays past the kernel's bf16 split (e^-78 over 16 tokens) are redone in fp32 there.
 // Determinism: everything but KDA's dA_log / ddt_bias (fp32 atomics in the kernel) gives the
 // same bits run to run. The MoE copies each layer's top-k ids to the host (one synchronisation
 // per MoE layer and pass) to group the tokens by expert.

@@ -14,8 +14,8 @@
 //      part of dG summed from the nearer end of the chunk),
 //      dbeta = rowsum(dL * A) + rowsum(dVb * v) - rowsum((dVb S0^T) * Kt)
 // KDA's pairwise decays use chunk_prepare's anchors (first row of each 16-row block): the
-// operands carry factors <= 1 or bounded by 15 tokens of decay; with KDA_CHUNK_EXACT=1 a chunk
-// whose decay leaves that range forms step 4 elementwise in fp32 instead (exact_pairs).
+// operands carry factors <= 1 or bounded by 15 tokens of decay; a chunk whose decay leaves that
+// range (raw g, the softplus gate) forms step 4 elementwise in fp32 instead (exact_pairs).
 // Scalar gates fold the decay into dAqk / dAkk. Products on bf16 tensor cores with fp32
 // accumulation; G, dq, dk, dG fp32.
 //
@@ -92,9 +92,9 @@ __device__ __forceinline__ void add_rows(float* dst, int r0, float lo, float hi,
   }
 }
 
-// EXACT (KDA only, KDA_CHUNK_EXACT=1): the instance with the elementwise step 4 for wide-decay
-// chunks; a separate instance, so that the default one keeps its registers (the extra branch
-// costs the K = 128 instance ~40 bytes of spills)
+// EXACT (KDA only, unless the gate is bounded inside the split's range: decay_within_split): the
+// instance with the elementwise step 4 for wide-decay chunks; a separate instance, so that the
+// default one keeps its registers (the extra branch costs the K = 128 instance ~40 bytes of spills)
 template <Gate GATE, int K, int V, bool EXACT = false>
 __global__ void __launch_bounds__(kThreads, 1)
     chunk_bwd_local_kernel(const ChunkTokens x, const ChunkWorkspace ws, const ChunkGrads gd) {
@@ -536,7 +536,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
   }
   __syncthreads();
-  // KDA_CHUNK_EXACT (the EXACT instance): a chunk whose decay leaves the anchors' split (the test
+  // The EXACT instance: a chunk whose decay leaves the anchors' split (the test
   // chunk_prepare flags chunks by) forms step 4's pairwise terms elementwise in fp32 instead
   bool exact_pairs = false;
   if constexpr (kChannel && EXACT) {
@@ -950,12 +950,12 @@ __global__ void finish_qk_grads_kernel(const float* __restrict__ dq_part,
 
 void launch_chunk_bwd_local(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd,
                             Gate gate, int K, int V, cudaStream_t stream) {
-  // KDA chunks beyond the split's range form their pairwise terms exactly (KDA_CHUNK_EXACT=1)
+  // KDA chunks beyond the split's range form their pairwise terms exactly (the EXACT instance,
+  // which tests each chunk); a gate bounded inside the range keeps the leaner default instance
   switch (gate) {
     case Gate::channel:
-      if (cuda::chunk_forward_any_decay())
-        return launch_kv<Gate::channel, true>(x, ws, gd, K, V, stream);
-      return launch_kv<Gate::channel>(x, ws, gd, K, V, stream);
+      if (decay_within_split(x.layer)) return launch_kv<Gate::channel>(x, ws, gd, K, V, stream);
+      return launch_kv<Gate::channel, true>(x, ws, gd, K, V, stream);
     case Gate::scalar:
       return launch_kv<Gate::scalar>(x, ws, gd, K, V, stream);
     case Gate::none:

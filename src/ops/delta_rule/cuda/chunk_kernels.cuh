@@ -56,11 +56,11 @@ struct ChunkWorkspace {
   // chunk_state walks only the chunks [piece_begin, piece_end) of each sequence (indices within
   // the sequence); otherwise every chunk.
   int64_t piece_begin = -1, piece_end = 0;
-  // KDA's wide-decay list (kernel-lab knob KDA_CHUNK_EXACT=1; null otherwise): chunk_prepare
-  // appends chunk * HV + hv of every (chunk, value head) where some channel decays by more than
-  // kWideDecayLog2 inside a 16-row block (its split of exp(G_i - G_j) would leave bf16's range),
-  // and chunk_prepare_exact recomputes those chunks' M, W, U (X, A) elementwise in fp32.
-  // wide_count is zeroed before chunk_prepare.
+  // KDA's wide-decay list (null for the scalar gate and for a gate bounded inside the split's
+  // range, decay_within_split below): chunk_prepare appends chunk * HV + hv of every (chunk, value
+  // head) where some channel decays by more than kWideDecayLog2 inside a 16-row block (its split of
+  // exp(G_i - G_j) would leave bf16's range), and chunk_prepare_exact recomputes those chunks' M,
+  // W, U (X, A) elementwise in fp32. wide_count is zeroed before chunk_prepare.
   unsigned* wide_count = nullptr;
   static constexpr float kWideDecayLog2 = 112.f;  // above fla's bound: 15 x 5 nats = 108
   unsigned* wide_list = nullptr;                  // [num_chunks * HV]
@@ -112,6 +112,16 @@ struct KdaLayerParams {
   const float* A_log = nullptr;    // [HV]
   const float* dt_bias = nullptr;  // [HV * K] or null (zero)
 };
+
+// Whether no KDA chunk can decay past the anchored split's range (ChunkWorkspace::kWideDecayLog2):
+// the lower-bound gate in the kernel decays at most -lower_bound nats a token, so 15 tokens of a
+// 16-row block stay inside it for lower_bound >= -5.18 (fla's -5: 108 in log2). Raw g and the
+// softplus gate have no bound, so their chunks are tested and the wide ones redone exactly.
+inline bool decay_within_split(const KdaLayerParams& layer) {
+  constexpr float kLog2e = 1.44269504f;
+  return layer.on && layer.gate && !layer.gate_softplus &&
+         -layer.lower_bound * 15.f * kLog2e <= ChunkWorkspace::kWideDecayLog2;
+}
 
 struct ChunkTokens {
   const __nv_bfloat16 *q, *k, *v, *g, *beta;

@@ -18,7 +18,6 @@
 // q, k itself).
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <type_traits>
 
 #include "ops/delta_rule/cuda/chunk_kernels.cuh"
@@ -619,10 +618,9 @@ void launch_for_gate(const ChunkTokens& x, const ChunkWorkspace& ws, Gate gate, 
 void launch_chunk_prepare(const ChunkTokens& x, const ChunkWorkspace& workspace, Gate gate, int K,
                           int V, cudaStream_t stream) {
   // KDA chunks whose decay leaves the split's range are redone by chunk_prepare_exact
-  // (ChunkWorkspace::wide_list) when the knob is on
+  // (ChunkWorkspace::wide_list); a gate bounded inside that range needs no list
   ChunkWorkspace ws = workspace;
-  if (!cuda::chunk_forward_any_decay() || gate != Gate::channel)
-    ws.wide_count = ws.wide_list = nullptr;
+  if (gate != Gate::channel || decay_within_split(x.layer)) ws.wide_count = ws.wide_list = nullptr;
   if (ws.wide_count)
     check_cuda(cudaMemsetAsync(ws.wide_count, 0, sizeof(unsigned), stream), "wide-decay count");
   launch_for_gate(x, ws, gate, K, V, stream);
@@ -630,16 +628,3 @@ void launch_chunk_prepare(const ChunkTokens& x, const ChunkWorkspace& workspace,
 }
 
 }  // namespace kda::ops::cuda_detail
-
-namespace kda::ops::cuda {
-
-bool chunk_forward_any_decay() {
-  // Kernel-lab knob KDA_CHUNK_EXACT=1 (not yet run on a GPU)
-  static const bool exact = [] {
-    const char* knob = std::getenv("KDA_CHUNK_EXACT");
-    return knob && knob[0] == '1';
-  }();
-  return exact;
-}
-
-}  // namespace kda::ops::cuda

@@ -28,8 +28,8 @@ namespace kda::ops::cuda {
 //   l2norm_qk:      q, k rows <- x / max(|x|, 1e-6)
 //   gate_in_kernel: g holds graw; g <- lower_bound * sigmoid(exp(A_log) (graw + dt_bias))
 //                   (KdaGate::lower_bound, fla's safe_gate) or -exp(A_log) softplus(graw +
-//                   dt_bias) (KdaGate::softplus; the KDA gate precondition below must hold for
-//                   the activated gate). A_log [HV], dt_bias [HV * K]: fp32 device arrays; a
+//                   dt_bias) (KdaGate::softplus; decays of any size, see "Any KDA decay"
+//                   below). A_log [HV], dt_bias [HV * K]: fp32 device arrays; a
 //                   null A_log means exp(A_log) = 1, a null dt_bias zero.
 //   beta_sigmoid:   beta holds braw; beta <- sigmoid(braw)
 struct KdaLayerDeviceOptions {
@@ -63,12 +63,12 @@ struct DeltaRuleDeviceInputs {
 // recurrent kernel instead (exact to fp32 rounding; K in {32, 64, 128}). Supported: K, V in
 // {64, 128} for bf16.
 //
-// KDA gate precondition (bf16 path): within each aligned 16-token block of a chunk the decay
-// of a channel must not exceed exp(-80) (sum of 15 consecutive g > -80). Gates bounded by
-// fla's lower_bound = -5 always satisfy it; Gated DeltaNet and DeltaNet have no such limit.
-// With the kernel-lab knob KDA_CHUNK_EXACT=1 (not yet run on a GPU) neither the forward nor the
-// backward has this limit: the chunks that break it are redone elementwise in fp32
-// (chunk_prepare_exact.cu; chunk_bwd_local's pairwise terms).
+// Any KDA decay (bf16 path): the tensor-core products split each pairwise decay exp(G_i - G_j)
+// around the first token of its 16-token block, which leaves bf16's range when a channel decays
+// by more than ~e^-78 inside the block. chunk_prepare lists such chunks and chunk_prepare_exact.cu
+// redoes them elementwise in fp32 (the backward's pairwise terms likewise), so raw g and the
+// softplus gate may decay without limit; a lower-bound gate of lower_bound >= -5 (fla's) never
+// reaches it, and its chunks skip the test.
 //
 // o [B, T, HV, V] (same element type as the inputs); ht [N, HV, K, V] fp32 or null.
 // For one or two long sequences (a state walk of at most one block per SM) the work is cut
@@ -80,19 +80,16 @@ size_t chunk_forward_workspace_bytes(const DeltaRuleShape& shape,
                                      std::span<const int64_t> cu_seqlens);
 void chunk_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void* workspace,
                    size_t workspace_bytes, cudaStream_t stream);
-// Whether chunk_forward lifts the KDA gate precondition (KDA_CHUNK_EXACT=1, above).
-bool chunk_forward_any_decay();
 
 // Backward of chunk_forward (bf16 inputs only): gradients of sum(o * d_o) + sum(ht * d_ht)
 // with respect to q, k, v, g, beta and h0 (and, with in.kda_layer's gate, A_log and dt_bias).
 // Recomputes the forward's chunk quantities and the state entering every chunk, walks the chunks
 // backwards carrying dS, then computes each chunk's gradients in parallel (see chunk_kernels.cuh).
-// Supported: K = V in {64, 128}; the KDA gate precondition of chunk_forward applies (unless
-// KDA_CHUNK_EXACT=1). d_o [B, T, HV, V] (bf16); d_ht fp32 [N, HV, K, V] or null (zero).
-// Gradients have the inputs' layouts and element type (bf16), dh0 fp32; dg is not written for
-// Gate::none and may be null then; dh0 may be null. `workspace` must hold
-// chunk_backward_workspace_bytes(...) bytes (forward workspace + per-chunk states and their
-// gradients, ~4 * K * V bytes per chunk and value head).
+// Supported: K = V in {64, 128}; any KDA decay, as chunk_forward. d_o [B, T, HV, V] (bf16); d_ht
+// fp32 [N, HV, K, V] or null (zero). Gradients have the inputs' layouts and element type (bf16),
+// dh0 fp32; dg is not written for Gate::none and may be null then; dh0 may be null. `workspace`
+// must hold chunk_backward_workspace_bytes(...) bytes (forward workspace + per-chunk states and
+// their gradients, ~4 * K * V bytes per chunk and value head).
 //
 // With in.kda_layer (the same options as the forward's) every gradient is with respect to the
 // RAW input the caller passed: dq, dk of the raw q, k rows (through the L2 norm, l2norm_qk),
