@@ -19,9 +19,11 @@
 #           same with KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1 (the wgmma state walks, forward and
 #           reverse, forced on every grid; the default takes them on full grids only), the decode
 #           checks with KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1 (the state fetched before the
-#           programmatic wait; the back-to-back chain check among them), the model checks
-#           (kda_gpu_model --check model), racecheck --small and the B = 16 decode rows, the
-#           chunked forward rows (KDA_LAB_KNOBS: ';'-separated knob sets to time instead); with
+#           programmatic wait; the back-to-back chain check among them), every check with
+#           KDA_PREPARE_EARLY_NORM=1 (chunk_prepare's q / k row norms without a barrier of
+#           their own), the model checks (kda_gpu_model --check model), racecheck --small and
+#           the B = 16 decode rows, the chunked forward rows with the defaults and with
+#           KDA_PREPARE_EARLY_NORM=1, twice each (KDA_LAB_KNOBS: other ';'-separated knob sets); with
 #           KDA_LAB_TRAIN=1 also
 #           kda_gpu_train --check (the lineage GPU trainer against the CPU one) plain and with
 #           the wgmma walks, then kda_gpu_train --profile-recall (the call is then ~10 minutes).
@@ -100,6 +102,12 @@ if [ "$mode" = "--lab" ]; then
     >"$log_dir/lab_check_wgmma.log" 2>&1 || status=1
   grep -E "FAIL|NOTE" "$log_dir/lab_check_wgmma.log" | head -20
   echo "wgmma checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_check_wgmma.log") pass"
+  # chunk_prepare's row norms before the anchors' barrier (KDA_PREPARE_EARLY_NORM): every check
+  echo "== kda_gpu_check --check with KDA_PREPARE_EARLY_NORM=1"
+  KDA_PREPARE_EARLY_NORM=1 timeout 240 ./build-gpu-app/bin/kda_gpu_check --check \
+    >"$log_dir/lab_check_norm.log" 2>&1 || status=1
+  grep -E "FAIL" "$log_dir/lab_check_norm.log" | head -20
+  echo "early-norm checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_check_norm.log") pass"
   # the model path (kimi-mini's softplus-gate bf16 prefill on the chunked kernel among it)
   echo "== kda_gpu_model --check model"
   timeout 200 ./build-gpu-app/bin/kda_gpu_model --check --shared gpu_carry/shared model \
@@ -123,7 +131,7 @@ if [ "$mode" = "--lab" ]; then
   grep -E "RACECHECK SUMMARY|Race reported" "$log_dir/lab_racecheck.log" | head -4
   timeout 120 ./build-gpu-app/bin/kda_gpu_check --decode --bench 2>&1 |
     grep -E "BENCH decode (kda|gdn) B=16 (auto|graph|same)"
-  chunk_rows "${KDA_LAB_KNOBS:-KDA_BENCH_ONLY=chunk}"
+  chunk_rows "${KDA_LAB_KNOBS:-;KDA_PREPARE_EARLY_NORM=1;;KDA_PREPARE_EARLY_NORM=1}"
   if [ "${KDA_LAB_TRAIN:-0}" != "1" ]; then
     echo "(the trainer's checks and the recall profile: KDA_LAB_TRAIN=1)"
     exit "$status"

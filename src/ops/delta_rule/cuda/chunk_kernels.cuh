@@ -108,6 +108,9 @@ struct KdaLayerParams {
   bool gate = false;           // g holds graw
   bool gate_softplus = false;  // else the lower-bound sigmoid gate
   bool beta_sigmoid = false;   // beta holds braw
+  // Kernel-lab knob KDA_PREPARE_EARLY_NORM=1 (not yet run on a GPU): chunk_prepare forms the
+  // q / k row norms before the barrier that publishes G's anchors, saving a barrier
+  bool early_norm = false;
   float lower_bound = -5.f;
   const float* A_log = nullptr;    // [HV]
   const float* dt_bias = nullptr;  // [HV * K] or null (zero)

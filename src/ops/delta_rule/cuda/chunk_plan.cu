@@ -1,6 +1,7 @@
 #include "ops/delta_rule/cuda/chunk_plan.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -158,6 +159,11 @@ KdaLayerParams kda_layer_params(const cuda::DeltaRuleDeviceInputs& in, const cha
   p.lower_bound = lo.lower_bound;
   p.A_log = lo.A_log;
   p.dt_bias = lo.dt_bias;
+  static const bool early_norm = [] {
+    const char* knob = std::getenv("KDA_PREPARE_EARLY_NORM");
+    return knob && knob[0] == '1';
+  }();
+  p.early_norm = early_norm;
   return p;
 }
 

@@ -63,6 +63,25 @@ struct PairMap {
   static_assert(kRows <= 16 && 16 % kRows == 0, "a segment stays inside one 16-row block");
 };
 
+// LAYER's l2norm: sNorm[r] = 1 / max(|row r|, 1e-6) of the 64 q rows (r < C) and the 64 k rows
+// of the loaded tiles, two threads a row (the caller syncs before reading sNorm)
+template <int K, int LDK>
+__device__ __forceinline__ void row_norms(const bf16* sQs, const bf16* sKs, float* sNorm, int tid) {
+  static_assert(kThreads == 4 * C, "two threads per row of q and of k");
+  const int rr = tid >> 1, half = tid & 1;
+  const bf16* row = (rr < C ? sQs : sKs) + (rr % C) * LDK + half * (K / 2);
+  float s2 = 0.f;
+#pragma unroll
+  for (int c = 0; c < K / 2; c += 8) {
+    float v8[8];
+    load8(row + c, v8);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) s2 += v8[e] * v8[e];
+  }
+  s2 += __shfl_xor_sync(0xffffffffu, s2, 1);
+  if (half == 0) sNorm[rr] = 1.f / fmaxf(sqrtf(s2), 1e-6f);
+}
+
 template <Gate GATE, int K, int V, bool LAYER>
 __global__ void __launch_bounds__(kThreads, 3)
     chunk_prepare_kernel(const ChunkTokens x, const ChunkWorkspace ws) {
@@ -185,6 +204,12 @@ __global__ void __launch_bounds__(kThreads, 3)
     }
     const int seg = row0 / kRows;
     *reinterpret_cast<float2*>(sTot + seg * K + c0) = make_float2(g0[kRows - 1], g1[kRows - 1]);
+    [[maybe_unused]] const bool l2norm = LAYER && x.layer.l2norm_qk;
+    // KDA_PREPARE_EARLY_NORM: the tiles complete before this barrier, so the norms share the
+    // barrier that publishes G's anchors instead of taking one of their own
+    [[maybe_unused]] const bool early_norm = l2norm && x.layer.early_norm;
+    if constexpr (LAYER)
+      if (early_norm) cp_async_wait<0>();
     __syncthreads();
     float off0 = 0.f, off1 = 0.f;
     for (int s = 0; s < seg; ++s) {
@@ -201,24 +226,13 @@ __global__ void __launch_bounds__(kThreads, 3)
         *reinterpret_cast<float2*>(sGa + (i >> 4) * K + c0) = make_float2(g0[r], g1[r]);
       if (i == len - 1) *reinterpret_cast<float2*>(sGl + c0) = make_float2(g0[r], g1[r]);
     }
-    cp_async_wait<0>();
-    __syncthreads();
-    [[maybe_unused]] const bool l2norm = LAYER && x.layer.l2norm_qk;
+    if (!early_norm) {  // (uniform)
+      cp_async_wait<0>();
+      __syncthreads();
+    }
     if constexpr (LAYER) {
-      if (l2norm) {  // 1 / max(|row|, 1e-6) of the 64 q and 64 k rows: two threads a row
-        static_assert(kThreads == 4 * C, "two threads per row of q and of k");
-        const int rr = tid >> 1, half = tid & 1;
-        const bf16* row = (rr < C ? sQs : sKs) + (rr % C) * LDK + half * (K / 2);
-        float s2 = 0.f;
-#pragma unroll
-        for (int c = 0; c < K / 2; c += 8) {
-          float v8[8];
-          load8(row + c, v8);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) s2 += v8[e] * v8[e];
-        }
-        s2 += __shfl_xor_sync(0xffffffffu, s2, 1);
-        if (half == 0) sNorm[rr] = 1.f / fmaxf(sqrtf(s2), 1e-6f);
+      if (l2norm) {
+        row_norms<K, LDK>(sQs, sKs, sNorm, tid);
         __syncthreads();
       }
     }
