@@ -74,6 +74,34 @@ build_app() {
   echo "built in $(($(date +%s) - start)) s"
 }
 
+# fla, and FlashKDA when its background build (below) succeeded, on the shapes of ours.tsv, in
+# what is left of $1 seconds since the script started (fla prints the table with what it
+# measured if that cuts it short); further arguments go to fla_bench.py
+time_peers() {
+  local total=$1
+  shift
+  local args=("$@") left
+  if [ -d gpu_carry/fla ]; then
+    export PYTHONPATH="$PWD/gpu_carry${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    echo "gpu_carry/fla not found: fla will not be timed (copy fla/ from its repository there)"
+  fi
+  if [ -n "$flashkda_pid" ]; then
+    if wait "$flashkda_pid"; then
+      export PYTHONPATH="$PWD/$flashkda_dir${PYTHONPATH:+:$PYTHONPATH}"
+      args+=(--flashkda)
+    else
+      echo "FlashKDA build failed:"
+      grep -iE "error" "$log_dir/flashkda_build.log" | grep -v pathspec | head -10
+    fi
+  fi
+  left=$((total - ($(date +%s) - script_start)))
+  [ "$left" -lt 60 ] && left=60
+  PYTHONUNBUFFERED=1 timeout -k 15 "$left" python3 bench/gpu/fla_bench.py --ours "$log_dir/ours.tsv" \
+    --out "$log_dir/table.md" --budget $((left > 90 ? left - 60 : 30)) "${args[@]}" 2>&1 |
+    grep -v "Warning\|warn(" | grep -v "^| decode_.*_\(tile\|head\) "
+}
+
 # chunked forward rows (kda_gpu_check --bench, KDA_BENCH_ONLY=chunk) once per ';'-separated knob set
 chunk_rows() {
   local knob_sets knobs
@@ -300,19 +328,7 @@ fi
 if [ "$mode" = "--flashkda" ]; then
   KDA_BENCH_ONLY=kda timeout 120 "$bin" --bench --out "$log_dir/ours.tsv" >"$log_dir/check_bench.log" 2>&1
   grep "^BENCH" "$log_dir/check_bench.log"
-  export PYTHONPATH="$PWD/gpu_carry${PYTHONPATH:+:$PYTHONPATH}"
-  fla_args=(--only-kda)
-  if [ -n "$flashkda_pid" ] && wait "$flashkda_pid"; then
-    export PYTHONPATH="$PWD/$flashkda_dir:$PYTHONPATH"
-    fla_args+=(--flashkda)
-  else
-    echo "FlashKDA not built:"
-    grep -iE "error" "$log_dir/flashkda_build.log" | grep -v pathspec | head -10
-  fi
-  left=$((330 - ($(date +%s) - script_start)))
-  [ "$left" -lt 60 ] && left=60
-  PYTHONUNBUFFERED=1 timeout -k 15 "$left" python3 bench/gpu/fla_bench.py --ours "$log_dir/ours.tsv" \
-    --out "$log_dir/table.md" --budget $((left - 30)) "${fla_args[@]}" 2>&1 | grep -v "Warning\|warn("
+  time_peers 330 --only-kda
   exit 0
 fi
 
@@ -397,26 +413,6 @@ if [ "$mode" = "--no-fla" ]; then
   exit "$status"
 fi
 echo "== fla (same shapes, same run)"
-if [ -d gpu_carry/fla ]; then
-  export PYTHONPATH="$PWD/gpu_carry${PYTHONPATH:+:$PYTHONPATH}"
-else
-  echo "gpu_carry/fla not found: fla will not be timed (copy fla/ from its repository there)"
-fi
-fla_args=()
-if [ -n "$flashkda_pid" ]; then
-  if wait "$flashkda_pid"; then
-    export PYTHONPATH="$PWD/$flashkda_dir${PYTHONPATH:+:$PYTHONPATH}"
-    fla_args+=(--flashkda)
-  else
-    echo "FlashKDA build failed:"
-    grep -iE "error" "$log_dir/flashkda_build.log" | grep -v pathspec | head -10
-  fi
-fi
-# whatever is left of ~9.5 minutes (the device tool's per-call limit is 10); fla prints the table
-# with what it measured if the limit cuts it short
-left=$((570 - ($(date +%s) - script_start)))
-[ "$left" -lt 60 ] && left=60
-PYTHONUNBUFFERED=1 timeout -k 15 "$left" python3 bench/gpu/fla_bench.py --ours "$log_dir/ours.tsv" \
-  --out "$log_dir/table.md" --budget $((left > 90 ? left - 60 : 30)) "${fla_args[@]}" 2>&1 |
-  grep -v "Warning\|warn(" | grep -v "^| decode_.*_\(tile\|head\) "
+# whatever is left of ~9.5 minutes (the device tool's per-call limit is 10)
+time_peers 570
 exit "$status"

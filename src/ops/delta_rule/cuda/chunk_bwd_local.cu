@@ -242,16 +242,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     static_assert(kThreads == 4 * C, "two threads per row of q and of k");
     const int rr = tid >> 1, half = tid & 1;
     bf16* row = (rr < C ? sq : sk) + (rr % C) * LDK + half * (K / 2);
-    float s2 = 0.f;
-#pragma unroll
-    for (int c = 0; c < K / 2; c += 8) {
-      float v8[8];
-      load8(row + c, v8);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) s2 += v8[e] * v8[e];
-    }
-    s2 += __shfl_xor_sync(0xffffffffu, s2, 1);
-    const float inv = 1.f / fmaxf(sqrtf(s2), 1e-6f);
+    const float inv = pair_row_inv_norm<K>(row);
 #pragma unroll
     for (int c = 0; c < K / 2; c += 8) {
       float v8[8];

@@ -69,17 +69,8 @@ template <int K, int LDK>
 __device__ __forceinline__ void row_norms(const bf16* sQs, const bf16* sKs, float* sNorm, int tid) {
   static_assert(kThreads == 4 * C, "two threads per row of q and of k");
   const int rr = tid >> 1, half = tid & 1;
-  const bf16* row = (rr < C ? sQs : sKs) + (rr % C) * LDK + half * (K / 2);
-  float s2 = 0.f;
-#pragma unroll
-  for (int c = 0; c < K / 2; c += 8) {
-    float v8[8];
-    load8(row + c, v8);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) s2 += v8[e] * v8[e];
-  }
-  s2 += __shfl_xor_sync(0xffffffffu, s2, 1);
-  if (half == 0) sNorm[rr] = 1.f / fmaxf(sqrtf(s2), 1e-6f);
+  const float inv = pair_row_inv_norm<K>((rr < C ? sQs : sKs) + (rr % C) * LDK + half * (K / 2));
+  if (half == 0) sNorm[rr] = inv;
 }
 
 template <Gate GATE, int K, int V, bool LAYER>

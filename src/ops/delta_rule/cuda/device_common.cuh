@@ -59,6 +59,21 @@ __device__ __forceinline__ void load8(const float* p, float out[8]) {
   out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
   out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
 }
+// 1 / max(|row|, 1e-6) of a K-wide bf16 row, two adjacent lanes a row: each passes its half
+// (row + half * K / 2) and both get the result (the KDA layer's q / k L2 norm).
+template <int K>
+__device__ __forceinline__ float pair_row_inv_norm(const __nv_bfloat16* half_row) {
+  float s2 = 0.f;
+#pragma unroll
+  for (int c = 0; c < K / 2; c += 8) {
+    float v8[8];
+    load8(half_row + c, v8);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) s2 += v8[e] * v8[e];
+  }
+  s2 += __shfl_xor_sync(0xffffffffu, s2, 1);
+  return 1.f / fmaxf(sqrtf(s2), 1e-6f);
+}
 __device__ __forceinline__ void load4(const __nv_bfloat16* p, float out[4]) {
   const uint2 raw = *reinterpret_cast<const uint2*>(p);
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
