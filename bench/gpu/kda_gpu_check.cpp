@@ -553,7 +553,7 @@ KdaLayerRaw make_layer_raw(Inputs& in, bool l2norm, KdaGate gate, uint64_t seed,
   KdaLayerRaw p;
   p.A_log.resize(s.HV);
   p.dt_bias.resize(s.HV * s.K);
-  for (float& a : p.A_log)  // softplus gate: exp(A_log) in [0.5, 1] keeps within the split
+  for (float& a : p.A_log)  // softplus: exp(A_log) in [0.5, 1], decays of the usual size
     a = gate == KdaGate::softplus ? std::log(rng.uniform(0.5f, 1.f)) : std::log(rng.uniform(1, 16));
   for (float& d : p.dt_bias) d = 0.5f * rng.normal();
   if (wide) {

@@ -62,7 +62,7 @@ struct ChunkWorkspace {
   // exp(G_i - G_j) would leave bf16's range), and chunk_prepare_exact recomputes those chunks' M,
   // W, U (X, A) elementwise in fp32. wide_count is zeroed before chunk_prepare.
   unsigned* wide_count = nullptr;
-  static constexpr float kWideDecayLog2 = 112.f;  // above fla's bound: 15 x 5 nats = 108
+  static constexpr float kWideDecayLog2 = 112.f;  // fla's bound: 15 x 5 nats = 108 in log2
   unsigned* wide_list = nullptr;                  // [num_chunks * HV]
   // Optional (backward only; null in the plain forward):
   __nv_bfloat16* X = nullptr;   // prepare: (I + L)^-1, [num_chunks, HV, C, C], zero above diag
