@@ -17,16 +17,15 @@
 #           the kda binary on the GPU (verify, run, and bench decode --device cuda).
 # --lab:    the kernel lab's checks in one call (~7 minutes): kda_gpu_check --check, the
 #           same with KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1 (the wgmma state walks, forward and
-#           reverse, forced on every grid; the default takes them on full grids only), the decode
-#           checks with KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1 (the state fetched before the
-#           programmatic wait; the back-to-back chain check among them), every check with
-#           KDA_PREPARE_EARLY_NORM=1 (chunk_prepare's q / k row norms without a barrier of
-#           their own), the model checks (kda_gpu_model --check model), racecheck --small and
-#           the B = 16 decode rows, the chunked forward rows with the defaults and with
-#           KDA_PREPARE_EARLY_NORM=1, twice each (KDA_LAB_KNOBS: other ';'-separated knob sets); with
-#           KDA_LAB_TRAIN=1 also
-#           kda_gpu_train --check (the lineage GPU trainer against the CPU one) plain and with
-#           the wgmma walks, then kda_gpu_train --profile-recall (the call is then ~10 minutes).
+#           reverse, forced on every grid; the default takes them on full grids only); then the
+#           timings on an idle GPU: the B = 16 decode rows, the chunked forward rows twice
+#           (KDA_LAB_KNOBS: ';'-separated knob sets), the KDA forward + backward rows with the
+#           defaults and with KDA_BWD_EXACT_ALL=1 (every chunk of raw g through chunk_bwd_local's
+#           EXACT instance, as before session 19); then, with KDA_LAB_RECALL="DIR options", the
+#           recall grid started in DIR (scripts/recall_grid.sh start DIR options: it trains on
+#           while the checks below run and after the call); then the decode checks with
+#           KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1, the model checks (kda_gpu_model --check
+#           model) and racecheck --small. With KDA_LAB_TRAIN=1 also
 # --lab-rows: the experiments' timings only (the next call, ~3 minutes): the chunked rows with
 #           the wgmma walk unpipelined, without the GDN raw path, with GDN's M from chunk_prepare
 #           (KDA_GDN_STATE_M=0), the state walk alone on both walks (KDA_LAB_ROW_KNOBS overrides),
@@ -130,12 +129,25 @@ if [ "$mode" = "--lab" ]; then
     >"$log_dir/lab_check_wgmma.log" 2>&1 || status=1
   grep -E "FAIL|NOTE" "$log_dir/lab_check_wgmma.log" | head -20
   echo "wgmma checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_check_wgmma.log") pass"
-  # chunk_prepare's row norms before the anchors' barrier (KDA_PREPARE_EARLY_NORM): every check
-  echo "== kda_gpu_check --check with KDA_PREPARE_EARLY_NORM=1"
-  KDA_PREPARE_EARLY_NORM=1 timeout 240 ./build-gpu-app/bin/kda_gpu_check --check \
-    >"$log_dir/lab_check_norm.log" 2>&1 || status=1
-  grep -E "FAIL" "$log_dir/lab_check_norm.log" | head -20
-  echo "early-norm checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_check_norm.log") pass"
+  # the timings, on an idle GPU: decode B = 16, the chunked forward rows, the KDA forward +
+  # backward rows with chunk_bwd_local's wide-chunk split (default) and without it
+  timeout 120 ./build-gpu-app/bin/kda_gpu_check --decode --bench 2>&1 |
+    grep -E "BENCH decode (kda|gdn) B=16 (auto|graph|same)"
+  chunk_rows "${KDA_LAB_KNOBS:-;;}"
+  for knobs in "" "KDA_BWD_EXACT_ALL=1"; do
+    echo "== KDA forward + backward rows with: ${knobs:-(defaults)}"
+    # shellcheck disable=SC2086
+    env $knobs KDA_BENCH_ONLY=kda timeout 200 ./build-gpu-app/bin/kda_gpu_check --bench 2>&1 |
+      grep -E "BENCH chunk_fwd\+bwd"
+  done
+  if [ -n "${KDA_LAB_RECALL:-}" ]; then
+    if [ "$status" -eq 0 ]; then
+      # shellcheck disable=SC2086
+      bash scripts/recall_grid.sh start $KDA_LAB_RECALL
+    else
+      echo "(recall not started: a check failed)"
+    fi
+  fi
   # the model path (kimi-mini's softplus-gate bf16 prefill on the chunked kernel among it)
   echo "== kda_gpu_model --check model"
   timeout 200 ./build-gpu-app/bin/kda_gpu_model --check --shared gpu_carry/shared model \
@@ -150,16 +162,13 @@ if [ "$mode" = "--lab" ]; then
     --decode --check >"$log_dir/lab_decode_check.log" 2>&1 || status=1
   grep -E "FAIL" "$log_dir/lab_decode_check.log" | head -20
   echo "decode checks: $(grep -c "^CHECK.*PASS" "$log_dir/lab_decode_check.log") pass"
-  # racecheck (the wgmma walks forced, so that they are covered too), then the B = 16 decode rows
-  echo "== racecheck --small, then decode rows"
+  # racecheck (the wgmma walks forced, so that they are covered too)
+  echo "== racecheck --small"
   KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1 timeout 120 compute-sanitizer \
     --tool racecheck --error-exitcode 3 ./build-gpu-app/bin/kda_gpu_check --small \
     >"$log_dir/lab_racecheck.log" 2>&1
   echo "racecheck: exit $? ($(grep -c "^CHECK.*PASS" "$log_dir/lab_racecheck.log") checks pass)"
   grep -E "RACECHECK SUMMARY|Race reported" "$log_dir/lab_racecheck.log" | head -4
-  timeout 120 ./build-gpu-app/bin/kda_gpu_check --decode --bench 2>&1 |
-    grep -E "BENCH decode (kda|gdn) B=16 (auto|graph|same)"
-  chunk_rows "${KDA_LAB_KNOBS:-;KDA_PREPARE_EARLY_NORM=1;;KDA_PREPARE_EARLY_NORM=1}"
   if [ "${KDA_LAB_TRAIN:-0}" != "1" ]; then
     echo "(the trainer's checks and the recall profile: KDA_LAB_TRAIN=1)"
     exit "$status"

@@ -158,7 +158,8 @@ struct Inputs {
 };
 
 // gate_strength: 0 log(sigmoid(1 + 2z)); 1 (strong) fla's lower-bound gate -5 sigmoid(2z);
-// 2 (wide decay, KDA) every other channel -10 - 20 sigmoid(z), past chunk_prepare's split
+// 2 (wide decay, KDA) every other channel of the odd value heads -10 - 20 sigmoid(z), past
+// chunk_prepare's split (the even heads' chunks stay inside it: every call mixes both kinds)
 Inputs make_inputs(const DeltaRuleShape& s, std::vector<int64_t> cu, bool with_h0, uint64_t seed,
                    int gate_strength = 0) {
   Inputs in;
@@ -189,7 +190,8 @@ Inputs make_inputs(const DeltaRuleShape& s, std::vector<int64_t> cu, bool with_h
       const float z = rng.normal();
       in.g[i] = gate_strength == 1 ? -5.f / (1.f + std::exp(-2.f * z))
                                    : -std::log1p(std::exp(-(1.f + 2.f * z)));
-      if (gate_strength == 2 && i % 2) in.g[i] = -10.f - 20.f / (1.f + std::exp(-z));
+      const bool odd_head = (i / size_t(s.gate_width())) % size_t(s.HV) % 2 == 1;
+      if (gate_strength == 2 && i % 2 && odd_head) in.g[i] = -10.f - 20.f / (1.f + std::exp(-z));
     }
   }
   in.beta.resize(in.tokens * s.HV);
@@ -538,9 +540,11 @@ struct KdaLayerRaw {
   std::vector<float> A_log, dt_bias;
   DeviceBuffer A_dev, dt_dev;
 };
-// wide: the softplus gate decaying far past chunk_prepare's split (exp(A_log) in [4, 16], every
-// other channel's dt_bias +2: 10-50 nats a token there, so ~1000 over a 16-token block; the
-// others -4, so that the state still carries something): the chunks chunk_prepare_exact redoes.
+// wide: on the odd value heads, the softplus gate decaying far past chunk_prepare's split
+// (exp(A_log) in [4, 16], every other channel's dt_bias +2: 10-50 nats a token there, so ~1000
+// over a 16-token block; the others -4, so that the state still carries something): the chunks
+// chunk_prepare_exact and chunk_bwd_local's EXACT instance redo; the even heads' chunks take the
+// default kernels in the same call.
 KdaLayerRaw make_layer_raw(Inputs& in, bool l2norm, KdaGate gate, uint64_t seed,
                            bool wide = false) {
   const DeltaRuleShape& s = in.shape;
@@ -556,9 +560,10 @@ KdaLayerRaw make_layer_raw(Inputs& in, bool l2norm, KdaGate gate, uint64_t seed,
   for (float& a : p.A_log)  // softplus: exp(A_log) in [0.5, 1], decays of the usual size
     a = gate == KdaGate::softplus ? std::log(rng.uniform(0.5f, 1.f)) : std::log(rng.uniform(1, 16));
   for (float& d : p.dt_bias) d = 0.5f * rng.normal();
-  if (wide) {
-    for (float& a : p.A_log) a = std::log(rng.uniform(4.f, 16.f));
-    for (size_t i = 0; i < p.dt_bias.size(); ++i) p.dt_bias[i] += i % 2 ? 2.f : -4.f;
+  if (wide) {  // the odd value heads only: every call mixes wide and ordinary chunks
+    for (size_t h = 1; h < p.A_log.size(); h += 2) p.A_log[h] = std::log(rng.uniform(4.f, 16.f));
+    for (size_t i = 0; i < p.dt_bias.size(); ++i)
+      if ((i / size_t(s.K)) % 2) p.dt_bias[i] += i % 2 ? 2.f : -4.f;
   }
   p.A_dev = DeviceBuffer(p.A_log.size() * 4);
   p.dt_dev = DeviceBuffer(p.dt_bias.size() * 4);

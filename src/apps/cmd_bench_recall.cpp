@@ -45,6 +45,7 @@ void print_usage() {
       "                        [--device cpu|cuda] [--kda-gate softplus|bounded] [--vocab V]\n"
       "                        [--gate-dt-max 0.1] [--seeds 1] [--continue] [--no-train]\n"
       "                        [--shard I/N] [--sweep-below A] [--gate-dt-per-channel]\n"
+      "                        [--progress N]\n"
       "\n"
       "Trains 2-layer models (2 heads, equal width across mixers) of each kind: softmax, linear,\n"
       "delta, gated_delta, kda and the kda+softmax hybrid, on MQAR (length/8 key-value pairs),\n"
@@ -73,7 +74,8 @@ void print_usage() {
       "--sweep-below A trains the other learning rates of a cell only where the first one\n"
       "(the first of --lrs) reached a mean accuracy below A (e.g. 0.99: the best of three\n"
       "cannot beat ~100 %); until the first rate's runs of a cell are finished (in this call\n"
-      "or an earlier one), its other rates wait for a later --continue call.");
+      "or an earlier one), its other rates wait for a later --continue call.\n"
+      "--progress N: every run prints its step, mean loss and time a step every N steps.");
 }
 
 std::vector<std::string> split(const std::string& text) {
@@ -146,7 +148,7 @@ int cmd_bench_recall(const Args& args) {
   std::vector<MixerEntry> mixers = kMixers;
   std::string out_dir = "out/recall";
   std::vector<float> lrs;
-  int64_t jobs = 1, batch = 0, vocab_option = 0, seeds = 1;
+  int64_t jobs = 1, batch = 0, vocab_option = 0, seeds = 1, progress_every = 0;
   std::string device = "cpu", kda_gate = "softplus";
   float gate_dt_max = 0.1f;
   bool gate_dt_per_channel = false;
@@ -188,6 +190,8 @@ int cmd_bench_recall(const Args& args) {
       batch = parse_int(value, a);
     else if (a == "--seeds")
       seeds = parse_int(value, a);
+    else if (a == "--progress")
+      progress_every = parse_int(value, a);
     else if (a == "--device")
       device = value;
     else if (a == "--kda-gate")
@@ -380,6 +384,9 @@ int cmd_bench_recall(const Args& args) {
       run.batch = run_batch;
       run.test_examples = test_examples;
       run.seed = c.seed;
+      run.progress_every = progress_every;
+      run.label = c.mixer.name + " " + c.task + " T=" + std::to_string(c.T) + " seed " +
+                  std::to_string(c.seed);
       try {
         c.result = train::run_recall(run);
       } catch (...) {  // stop every worker; the first error is rethrown after the join

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 
 #include "core/timer.h"
 #include "train/model_factory.h"
@@ -27,12 +28,28 @@ RecallResult run_recall(const RecallRun& run) {
   double tail_loss = 0;
   int64_t tail = 0;
   PrefetchingStream batches(stream, run.batch);  // the next batch made while a step trains
+  Stopwatch interval;
+  double interval_loss = 0;
   for (int64_t step = 0; step < run.steps; ++step) {
     const Batch b = batches.next();
     model.zero_grad();
     const auto r = model.forward_backward(b.inputs.data(), b.targets.data(), b.B, b.T, true);
-    if (!std::isfinite(r.loss)) break;  // diverged: evaluate what we have
+    if (!std::isfinite(r.loss)) {  // diverged: evaluate what we have
+      if (run.progress_every > 0)
+        std::fprintf(stderr, "  [%s] step %lld: loss %g, stopped\n", run.label.c_str(),
+                     (long long)step + 1, r.loss);
+      break;
+    }
     opt->step();
+    interval_loss += r.loss;
+    if (run.progress_every > 0 && (step + 1) % run.progress_every == 0) {
+      std::fprintf(stderr, "  [%s] step %lld/%lld loss %.3f %.1f ms/step\n", run.label.c_str(),
+                   (long long)step + 1, (long long)run.steps,
+                   interval_loss / double(run.progress_every),
+                   1e3 * interval.seconds() / double(run.progress_every));
+      interval_loss = 0;
+      interval.reset();
+    }
     if (step >= run.steps - std::max<int64_t>(1, run.steps / 10)) {
       tail_loss += r.loss;
       ++tail;

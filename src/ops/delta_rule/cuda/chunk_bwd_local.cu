@@ -26,6 +26,9 @@
 // bf16 tile), with ddt_bias and dA_log summed by fp32 atomics (one per thread and one per warp
 // a block); dbeta to dbraw.
 
+#include <algorithm>
+#include <cstdlib>
+
 #include "ops/delta_rule/cuda/chunk_kernels.cuh"
 #include "ops/delta_rule/cuda/delta_rule_cuda.h"
 #include "ops/delta_rule/cuda/device_common.cuh"
@@ -92,12 +95,14 @@ __device__ __forceinline__ void add_rows(float* dst, int r0, float lo, float hi,
   }
 }
 
-// EXACT (KDA only, unless the gate is bounded inside the split's range: decay_within_split): the
-// instance with the elementwise step 4 for wide-decay chunks; a separate instance, so that the
-// default one keeps its registers (the extra branch costs the K = 128 instance ~40 bytes of spills)
-template <Gate GATE, int K, int V, bool EXACT = false>
-__global__ void __launch_bounds__(kThreads, 1)
-    chunk_bwd_local_kernel(const ChunkTokens x, const ChunkWorkspace ws, const ChunkGrads gd) {
+// One (chunk, value head). EXACT (KDA only, unless the gate is bounded inside the split's range:
+// decay_within_split): the instance with the elementwise step 4 for wide-decay chunks; a
+// separate instance, so that the default one keeps its registers (the extra branch costs the
+// K = 128 instance ~40 bytes of spills)
+template <Gate GATE, int K, int V, bool EXACT>
+__device__ __forceinline__ void bwd_local_chunk(const ChunkTokens& x, const ChunkWorkspace& ws,
+                                                const ChunkGrads& gd, const int64_t chunk,
+                                                const int hv) {
   using L = LocalLayout<GATE, K, V>;
   constexpr int LDK = L::LDK, LDV = L::LDV, LDC = L::LDC, LDG = L::LDG, LDT = L::LDT;
   constexpr bool kChannel = GATE == Gate::channel;
@@ -126,8 +131,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   bf16* sGraw = reinterpret_cast<bf16*>(smem + L::off_graw);  // KDA layer gate only
   const bool layer_gate = kChannel && x.layer.gate;
 
-  const int64_t chunk = blockIdx.x;
-  const int hv = blockIdx.y;
   const int h = hv / (x.HV / x.H);
   const int64_t tok0 = ws.chunk_tok0[chunk];
   const int len = int(ws.chunk_len[chunk]);
@@ -845,6 +848,38 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+// With ws.wide_flag (KDA chunks tested for wide decays by chunk_prepare): the default instance
+// takes the grid's unflagged chunks and the EXACT instance, on a grid of its own, walks the
+// list of the flagged ones; so only wide chunks pay for the elementwise path. Without it: the
+// grid's every chunk, in either instance.
+template <Gate GATE, int K, int V, bool EXACT>
+__global__ void __launch_bounds__(kThreads, 1)
+    chunk_bwd_local_kernel(const ChunkTokens x, const ChunkWorkspace ws, const ChunkGrads gd) {
+  if constexpr (EXACT) {                          // one loop, so that the body is inlined once
+    const bool listed = ws.wide_flag != nullptr;  // (uniform: a kernel parameter)
+    const unsigned n = listed ? *ws.wide_count : 1u, step = listed ? gridDim.x : 1u;
+    for (unsigned e = listed ? blockIdx.x : 0u; e < n; e += step) {
+      const unsigned entry = listed ? ws.wide_list[e] : blockIdx.x * unsigned(x.HV) + blockIdx.y;
+      bwd_local_chunk<GATE, K, V, true>(x, ws, gd, entry / unsigned(x.HV),
+                                        int(entry % unsigned(x.HV)));
+      __syncthreads();  // the next chunk reuses the shared memory
+    }
+  } else {
+    if (ws.wide_flag && ws.wide_flag[size_t(blockIdx.x) * x.HV + blockIdx.y]) return;  // listed
+    bwd_local_chunk<GATE, K, V, false>(x, ws, gd, blockIdx.x, int(blockIdx.y));
+  }
+}
+
+int multiprocessors() {
+  static const int count = [] {
+    int device = 0, n = 0;
+    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    check_cuda(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device), "SM count");
+    return n;
+  }();
+  return count;
+}
+
 template <Gate GATE, int K, int V, bool EXACT>
 void launch(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd,
             cudaStream_t stream) {
@@ -859,7 +894,11 @@ void launch(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd
     return true;
   }();
   (void)configured;
-  const dim3 grid(unsigned(ws.num_chunks), unsigned(x.HV));
+  // the EXACT walk of the list: one block an SM (what its shared memory allows anyway)
+  const int64_t all = ws.num_chunks * x.HV;
+  const dim3 grid = EXACT && ws.wide_flag
+                        ? dim3(unsigned(std::min<int64_t>(all, multiprocessors())))
+                        : dim3(unsigned(ws.num_chunks), unsigned(x.HV));
   const size_t bytes = kChannel && x.layer.gate ? L::total_layer : L::total;
   chunk_bwd_local_kernel<GATE, K, V, EXACT><<<grid, kThreads, bytes, stream>>>(x, ws, gd);
   check_launch("chunk_bwd_local kernel");
@@ -943,14 +982,31 @@ void launch_chunk_bwd_local(const ChunkTokens& x, const ChunkWorkspace& ws, cons
                             Gate gate, int K, int V, cudaStream_t stream) {
   // KDA chunks beyond the split's range form their pairwise terms exactly (the EXACT instance,
   // which tests each chunk); a gate bounded inside the range keeps the leaner default instance
+  // Kernel-lab knob KDA_BWD_EXACT_ALL=1: every chunk through the EXACT instance, as before the
+  // split (for the A/B timing of raw g and the softplus gate)
+  static const bool exact_all = [] {
+    const char* knob = std::getenv("KDA_BWD_EXACT_ALL");
+    return knob && knob[0] == '1';
+  }();
+  ChunkWorkspace w = ws;
   switch (gate) {
     case Gate::channel:
-      if (decay_within_split(x.layer)) return launch_kv<Gate::channel>(x, ws, gd, K, V, stream);
-      return launch_kv<Gate::channel, true>(x, ws, gd, K, V, stream);
+      if (decay_within_split(x.layer) || !ws.wide_count) {
+        w.wide_flag = nullptr;
+        return launch_kv<Gate::channel>(x, w, gd, K, V, stream);
+      }
+      if (exact_all) {
+        w.wide_flag = nullptr;
+        return launch_kv<Gate::channel, true>(x, w, gd, K, V, stream);
+      }
+      launch_kv<Gate::channel>(x, w, gd, K, V, stream);               // the unflagged chunks
+      return launch_kv<Gate::channel, true>(x, w, gd, K, V, stream);  // the listed ones
     case Gate::scalar:
-      return launch_kv<Gate::scalar>(x, ws, gd, K, V, stream);
+      w.wide_flag = nullptr;
+      return launch_kv<Gate::scalar>(x, w, gd, K, V, stream);
     case Gate::none:
-      return launch_kv<Gate::none>(x, ws, gd, K, V, stream);
+      w.wide_flag = nullptr;
+      return launch_kv<Gate::none>(x, w, gd, K, V, stream);
   }
 }
 

@@ -64,6 +64,10 @@ struct ChunkWorkspace {
   unsigned* wide_count = nullptr;
   static constexpr float kWideDecayLog2 = 112.f;  // fla's bound: 15 x 5 nats = 108 in log2
   unsigned* wide_list = nullptr;                  // [num_chunks * HV]
+  // 1 where chunk_prepare listed (chunk, hv), else 0, written by every chunk_prepare block while
+  // wide_count is set: chunk_bwd_local's default instance skips those chunks and its EXACT
+  // instance walks the list (null: every chunk in one instance)
+  unsigned char* wide_flag = nullptr;  // [num_chunks * HV]
   // Optional (backward only; null in the plain forward):
   __nv_bfloat16* X = nullptr;   // prepare: (I + L)^-1, [num_chunks, HV, C, C], zero above diag
   __nv_bfloat16* A = nullptr;   // prepare: decayed K K^T, strictly lower, [num_chunks, HV, C, C]
@@ -108,9 +112,6 @@ struct KdaLayerParams {
   bool gate = false;           // g holds graw
   bool gate_softplus = false;  // else the lower-bound sigmoid gate
   bool beta_sigmoid = false;   // beta holds braw
-  // Kernel-lab knob KDA_PREPARE_EARLY_NORM=1 (not yet run on a GPU): chunk_prepare forms the
-  // q / k row norms before the barrier that publishes G's anchors, saving a barrier
-  bool early_norm = false;
   float lower_bound = -5.f;
   const float* A_log = nullptr;    // [HV]
   const float* dt_bias = nullptr;  // [HV * K] or null (zero)

@@ -85,7 +85,8 @@ ChunkPlan make_chunk_plan(const DeltaRuleShape& s, std::span<const int64_t> cu_s
   if (s.gate == Gate::channel) {
     require(uint64_t(p.num_chunks) * uint64_t(s.HV) < (uint64_t(1) << 32),
             "delta rule (cuda chunk): too many chunks x value heads");
-    p.off_wide = off, off = align_up(off + (1 + size_t(p.num_chunks) * s.HV) * 4);
+    p.wide_entries = p.num_chunks * s.HV;
+    p.off_wide = off, off = align_up(off + 4 + size_t(p.wide_entries) * 5);  // count, list, flags
   }
   if (backward) {
     const size_t states = size_t(p.num_chunks) * size_t(s.HV) * s.K * s.V;
@@ -132,6 +133,7 @@ ChunkWorkspace bind_chunk_workspace(const ChunkPlan& plan, void* workspace, cuda
   if (plan.off_wide) {
     ws.wide_count = reinterpret_cast<unsigned*>(base + plan.off_wide);
     ws.wide_list = ws.wide_count + 1;
+    ws.wide_flag = reinterpret_cast<unsigned char*>(ws.wide_list + plan.wide_entries);
   }
   ws.num_chunks = NC;
   ws.num_seqs = N;
@@ -159,11 +161,6 @@ KdaLayerParams kda_layer_params(const cuda::DeltaRuleDeviceInputs& in, const cha
   p.lower_bound = lo.lower_bound;
   p.A_log = lo.A_log;
   p.dt_bias = lo.dt_bias;
-  static const bool early_norm = [] {
-    const char* knob = std::getenv("KDA_PREPARE_EARLY_NORM");
-    return knob && knob[0] == '1';
-  }();
-  p.early_norm = early_norm;
   return p;
 }
 

@@ -196,11 +196,11 @@ __global__ void __launch_bounds__(kThreads, 3)
     const int seg = row0 / kRows;
     *reinterpret_cast<float2*>(sTot + seg * K + c0) = make_float2(g0[kRows - 1], g1[kRows - 1]);
     [[maybe_unused]] const bool l2norm = LAYER && x.layer.l2norm_qk;
-    // KDA_PREPARE_EARLY_NORM: the tiles complete before this barrier, so the norms share the
-    // barrier that publishes G's anchors instead of taking one of their own
-    [[maybe_unused]] const bool early_norm = l2norm && x.layer.early_norm;
+    // with the layer's l2norm the tiles complete before this barrier, so the row norms share the
+    // barrier that publishes G's anchors instead of taking one of their own (session 18: -1 % on
+    // the 8 x 2048 layer forward)
     if constexpr (LAYER)
-      if (early_norm) cp_async_wait<0>();
+      if (l2norm) cp_async_wait<0>();
     __syncthreads();
     float off0 = 0.f, off1 = 0.f;
     for (int s = 0; s < seg; ++s) {
@@ -217,16 +217,11 @@ __global__ void __launch_bounds__(kThreads, 3)
         *reinterpret_cast<float2*>(sGa + (i >> 4) * K + c0) = make_float2(g0[r], g1[r]);
       if (i == len - 1) *reinterpret_cast<float2*>(sGl + c0) = make_float2(g0[r], g1[r]);
     }
-    if (!early_norm) {  // (uniform)
+    if (l2norm)  // (uniform)
+      row_norms<K, LDK>(sQs, sKs, sNorm, tid);
+    else
       cp_async_wait<0>();
-      __syncthreads();
-    }
-    if constexpr (LAYER) {
-      if (l2norm) {
-        row_norms<K, LDK>(sQs, sKs, sNorm, tid);
-        __syncthreads();
-      }
-    }
+    __syncthreads();
 
     // ---- phase 2: scaled operands (in place in smem) and Qt, Kd, exp(G_C) (workspace) ----
     const float2 gl = *reinterpret_cast<const float2*>(sGl + c0);
@@ -258,8 +253,12 @@ __global__ void __launch_bounds__(kThreads, 3)
     }
     if (ws.wide_count) {  // uniform: a kernel parameter
       // k 2^(G_a - G_j) near the top of bf16's range: chunk_prepare_exact redoes the chunk
-      if (__syncthreads_or(widest > ChunkWorkspace::kWideDecayLog2) && tid == 0)
-        ws.wide_list[atomicAdd(ws.wide_count, 1u)] = unsigned(chunk * x.HV + hv);
+      const bool wide = __syncthreads_or(widest > ChunkWorkspace::kWideDecayLog2);
+      if (tid == 0) {
+        const unsigned entry = unsigned(chunk * x.HV + hv);
+        if (wide) ws.wide_list[atomicAdd(ws.wide_count, 1u)] = entry;
+        ws.wide_flag[entry] = wide;
+      }
     }
     for (int idx = tid; idx < 6 * K; idx += kThreads) {
       const int p = idx / K, c = idx % K;
@@ -625,7 +624,10 @@ void launch_chunk_prepare(const ChunkTokens& x, const ChunkWorkspace& workspace,
   // KDA chunks whose decay leaves the split's range are redone by chunk_prepare_exact
   // (ChunkWorkspace::wide_list); a gate bounded inside that range needs no list
   ChunkWorkspace ws = workspace;
-  if (gate != Gate::channel || decay_within_split(x.layer)) ws.wide_count = ws.wide_list = nullptr;
+  if (gate != Gate::channel || decay_within_split(x.layer)) {
+    ws.wide_count = ws.wide_list = nullptr;
+    ws.wide_flag = nullptr;
+  }
   if (ws.wide_count)
     check_cuda(cudaMemsetAsync(ws.wide_count, 0, sizeof(unsigned), stream), "wide-decay count");
   launch_for_gate(x, ws, gate, K, V, stream);
