@@ -138,7 +138,7 @@ if [ "$mode" = "--lab" ]; then
     echo "== KDA forward + backward rows with: ${knobs:-(defaults)}"
     # shellcheck disable=SC2086
     env $knobs KDA_BENCH_ONLY=kda timeout 200 ./build-gpu-app/bin/kda_gpu_check --bench 2>&1 |
-      grep -E "BENCH chunk_fwd\+bwd"
+      grep -E "BENCH chunk_fwd\+bwd|BENCH chunk kda-layer softplus"
   done
   if [ -n "${KDA_LAB_RECALL:-}" ]; then
     if [ "$status" -eq 0 ]; then
@@ -195,7 +195,7 @@ if [ "$mode" = "--lab-rows" ]; then
     echo "== KDA forward + backward rows with: ${knobs:-(defaults)}"
     # shellcheck disable=SC2086
     env $knobs KDA_BENCH_ONLY=kda timeout 200 ./build-gpu-app/bin/kda_gpu_check --bench 2>&1 |
-      grep -E "BENCH chunk_fwd\+bwd"
+      grep -E "BENCH chunk_fwd\+bwd|BENCH chunk kda-layer softplus"
   done
   for knobs in "" "KDA_DECODE_OVERLAP=1" "KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1"; do
     echo "== decode rows with: ${knobs:-(defaults)}"

@@ -1610,6 +1610,41 @@ void run_bench(const std::string& out_path) {
             << fb_floor_ms << "\n";
         out << "chunk_fwdbwd_kda_layer_recompute\t" << sh.B << "x" << sh.T << "\t"
             << lfb_recompute_ms << "\t" << fb_floor_ms << "\n";
+        if (sh.B == 8) {
+          // Kimi Linear's softplus gate, with the decays of its init (exp(A_log) in [1, 16],
+          // dt ~ 0.01: ~0.1 nats a token, no chunk listed) and with decays every chunk lists
+          // (exp(A_log) 16, dt_bias +2: ~27 nats a token): what the exact path costs when
+          // training has made the decays strong (GPU_NOTES item 12)
+          for (bool wide : {false, true}) {
+            std::vector<float> A_log(H), dt_bias(H * K);
+            Random rng(19);
+            for (float& a : A_log) a = wide ? std::log(16.f) : std::log(rng.uniform(1.f, 16.f));
+            for (float& x : dt_bias) x = wide ? 2.f : std::log(std::expm1(0.01f));
+            ck(cudaMemcpy(A_dev.ptr, A_log.data(), A_dev.bytes, cudaMemcpyHostToDevice), "A_log");
+            ck(cudaMemcpy(dt_dev.ptr, dt_bias.data(), dt_dev.bytes, cudaMemcpyHostToDevice), "dt");
+            cuda::DeltaRuleDeviceInputs ds = dl;
+            ds.kda_layer.gate = KdaGate::softplus;
+            const double sf_ms = timer.median_ms(
+                [&](int) {
+                  cuda::chunk_forward(ds, o.ptr, ht.as<float>(), ws.ptr, ws_bytes, nullptr);
+                },
+                2, 10);
+            const double sfb_ms = timer.median_ms(
+                [&](int) {
+                  cuda::chunk_forward_for_backward(ds, o.ptr, ht.as<float>(), ws.ptr, ws_bytes,
+                                                   nullptr);
+                  cuda::chunk_backward(ds, d_o.ptr, dht.as<float>(), lgrads, ws.ptr, ws_bytes,
+                                       nullptr, cuda::ChunkBackwardFrom::kept_forward);
+                },
+                2, 10);
+            std::printf(
+                "BENCH chunk kda-layer softplus%s %lldx%lld: fwd %.3f ms, fwd+bwd %.3f ms kept "
+                "forward (%s)\n",
+                wide ? "-wide" : "", (long long)sh.B, (long long)sh.T, sf_ms, sfb_ms,
+                wide ? "every chunk listed: the exact kernels" : "the init's decays");
+            std::fflush(stdout);
+          }
+        }
       }
     }
   }

@@ -18,6 +18,9 @@
 // q, k itself).
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
 #include <type_traits>
 
 #include "ops/delta_rule/cuda/chunk_kernels.cuh"
@@ -617,6 +620,34 @@ void launch_for_gate(const ChunkTokens& x, const ChunkWorkspace& ws, Gate gate, 
   }
 }
 
+// Diagnostic knob KDA_REPORT_WIDE=1: after every unpipelined chunk_prepare that lists, wait for
+// it and count the listed (chunk, value head) pairs; every 200 such calls one line on stderr
+// with the share listed since the last line (how much of a training run takes the exact
+// kernels; the wait makes the run slower, so time nothing with it)
+void report_wide(const ChunkWorkspace& ws, int HV, cudaStream_t stream) {
+  static const bool on = [] {
+    const char* knob = std::getenv("KDA_REPORT_WIDE");
+    return knob && knob[0] == '1';
+  }();
+  if (!on || ws.piece_begin >= 0) return;
+  static std::mutex mutex;
+  static int64_t calls = 0, listed = 0, pairs = 0;
+  unsigned count = 0;
+  check_cuda(cudaMemcpyAsync(&count, ws.wide_count, sizeof count, cudaMemcpyDeviceToHost, stream),
+             "wide-decay count (KDA_REPORT_WIDE)");
+  check_cuda(cudaStreamSynchronize(stream), "wide-decay count (KDA_REPORT_WIDE)");
+  std::lock_guard<std::mutex> lock(mutex);
+  listed += count;
+  pairs += ws.num_chunks * HV;
+  if (++calls % 200 == 0) {
+    std::fprintf(stderr,
+                 "KDA_REPORT_WIDE: calls %lld-%lld: %lld of %lld chunk-heads listed (%.1f %%)\n",
+                 (long long)calls - 199, (long long)calls, (long long)listed, (long long)pairs,
+                 100.0 * double(listed) / double(pairs));
+    listed = pairs = 0;
+  }
+}
+
 }  // namespace
 
 void launch_chunk_prepare(const ChunkTokens& x, const ChunkWorkspace& workspace, Gate gate, int K,
@@ -631,7 +662,10 @@ void launch_chunk_prepare(const ChunkTokens& x, const ChunkWorkspace& workspace,
   if (ws.wide_count)
     check_cuda(cudaMemsetAsync(ws.wide_count, 0, sizeof(unsigned), stream), "wide-decay count");
   launch_for_gate(x, ws, gate, K, V, stream);
-  if (ws.wide_count) launch_chunk_prepare_exact(x, ws, K, V, stream);
+  if (ws.wide_count) {
+    report_wide(ws, x.HV, stream);
+    launch_chunk_prepare_exact(x, ws, K, V, stream);
+  }
 }
 
 }  // namespace kda::ops::cuda_detail
