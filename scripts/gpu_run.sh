@@ -101,16 +101,23 @@ time_peers() {
     grep -v "Warning\|warn(" | grep -v "^| decode_.*_\(tile\|head\) "
 }
 
-# chunked forward rows (kda_gpu_check --bench, KDA_BENCH_ONLY=chunk) once per ';'-separated knob set
-chunk_rows() {
+# kda_gpu_check --bench rows once per ';'-separated knob set ($3): KDA_BENCH_ONLY=$1, the lines
+# matching $2, under the heading "== $4 rows with: knobs"
+bench_rows() {
   local knob_sets knobs
-  IFS=';' read -r -a knob_sets <<<"$1"
+  IFS=';' read -r -a knob_sets <<<"$3"
   for knobs in "${knob_sets[@]}"; do
-    echo "== chunked forward rows with: ${knobs:-(defaults)}"
+    echo "== $4 rows with: ${knobs:-(defaults)}"
     # shellcheck disable=SC2086
-    env $knobs KDA_BENCH_ONLY=chunk timeout 150 ./build-gpu-app/bin/kda_gpu_check --bench 2>&1 |
-      grep -E "chunk_fwd (kda|kda-layer|gdn) "
+    env $knobs KDA_BENCH_ONLY="$1" timeout 200 ./build-gpu-app/bin/kda_gpu_check --bench 2>&1 |
+      grep -E "$2"
   done
+}
+# the chunked forward rows
+chunk_rows() { bench_rows chunk "chunk_fwd (kda|kda-layer|gdn) " "$1" "chunked forward"; }
+# the KDA forward + backward rows, and the softplus-gate layer rows
+fwdbwd_rows() {
+  bench_rows kda "BENCH chunk_fwd\+bwd|BENCH chunk kda-layer softplus" "$1" "KDA forward + backward"
 }
 
 if [ "$mode" = "--lab" ]; then
@@ -134,12 +141,7 @@ if [ "$mode" = "--lab" ]; then
   timeout 120 ./build-gpu-app/bin/kda_gpu_check --decode --bench 2>&1 |
     grep -E "BENCH decode (kda|gdn) B=16 (auto|graph|same)"
   chunk_rows "${KDA_LAB_KNOBS:-;;}"
-  for knobs in "" "KDA_BWD_EXACT_ALL=1"; do
-    echo "== KDA forward + backward rows with: ${knobs:-(defaults)}"
-    # shellcheck disable=SC2086
-    env $knobs KDA_BENCH_ONLY=kda timeout 200 ./build-gpu-app/bin/kda_gpu_check --bench 2>&1 |
-      grep -E "BENCH chunk_fwd\+bwd|BENCH chunk kda-layer softplus"
-  done
+  fwdbwd_rows ";KDA_BWD_EXACT_ALL=1"
   if [ -n "${KDA_LAB_RECALL:-}" ]; then
     if [ "$status" -eq 0 ]; then
       # shellcheck disable=SC2086
@@ -191,12 +193,7 @@ fi
 if [ "$mode" = "--lab-rows" ]; then
   build_app kda_gpu_check
   chunk_rows "${KDA_LAB_ROW_KNOBS:-KDA_STATE_WGMMA=1 KDA_PIPELINE=0;KDA_STATE_WGMMA=1 KDA_GDN_RAW=0;KDA_STATE_WGMMA=1 KDA_GDN_STATE_M=0;KDA_CHUNK_STAGES=state;KDA_CHUNK_STAGES=state KDA_STATE_WGMMA=1}"
-  for knobs in "" "KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1"; do
-    echo "== KDA forward + backward rows with: ${knobs:-(defaults)}"
-    # shellcheck disable=SC2086
-    env $knobs KDA_BENCH_ONLY=kda timeout 200 ./build-gpu-app/bin/kda_gpu_check --bench 2>&1 |
-      grep -E "BENCH chunk_fwd\+bwd|BENCH chunk kda-layer softplus"
-  done
+  fwdbwd_rows ";KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1"
   for knobs in "" "KDA_DECODE_OVERLAP=1" "KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1"; do
     echo "== decode rows with: ${knobs:-(defaults)}"
     # shellcheck disable=SC2086
