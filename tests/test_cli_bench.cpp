@@ -60,6 +60,28 @@ TEST(CliBench, RecallWritesJsonOfEveryCell) {
   EXPECT_NE(slurp(kOut / "recall.svg").find("<svg"), std::string::npos);
 }
 
+// --progress N: every run reports its step, mean loss and time a step every N steps (and only
+// then), labelled with its cell, so that a long GPU run's log shows how far it is.
+TEST(CliBench, RecallProgressReportsEveryNSteps) {
+  const CommandResult r =
+      run("bench recall --quick --steps 6 --lengths 16 --mixers delta --tasks stack "
+          "--progress 2 --out " +
+          (kOut / "recall_progress").string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  for (const char* step : {"step 2/6 loss ", "step 4/6 loss ", "step 6/6 loss "})
+    EXPECT_NE(r.output.find(std::string("[delta stack T=16 seed 17] ") + step), std::string::npos)
+        << step << "\n"
+        << r.output;
+  EXPECT_EQ(r.output.find("step 3/6"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(" ms/step"), std::string::npos) << r.output;
+  // without the flag a run prints nothing until it ends
+  const CommandResult quiet =
+      run("bench recall --quick --steps 2 --lengths 16 --mixers delta --tasks stack --out " +
+          (kOut / "recall_quiet").string());
+  ASSERT_EQ(quiet.status, 0) << quiet.output;
+  EXPECT_EQ(quiet.output.find("ms/step"), std::string::npos) << quiet.output;
+}
+
 // The runs of recall_runs.jsonl (one JSON object a line); with skip_cut, lines that do not
 // parse (cut short by a stopped call) are skipped instead of failing the test.
 std::vector<nlohmann::json> read_runs(const std::filesystem::path& path, bool skip_cut = false) {
