@@ -857,7 +857,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     chunk_bwd_local_kernel(const ChunkTokens x, const ChunkWorkspace ws, const ChunkGrads gd) {
   if constexpr (EXACT) {                          // one loop, so that the body is inlined once
     const bool listed = ws.wide_flag != nullptr;  // (uniform: a kernel parameter)
-    const unsigned n = listed ? *ws.wide_count : 1u, step = listed ? gridDim.x : 1u;
+    // (the count clamped to the list's length: a lone KDA_BWD_STAGES=local run on a fresh
+    // workspace must not walk past it)
+    const unsigned entries = unsigned(ws.num_chunks) * unsigned(x.HV);
+    const unsigned n = listed ? min(*ws.wide_count, entries) : 1u, step = listed ? gridDim.x : 1u;
     for (unsigned e = listed ? blockIdx.x : 0u; e < n; e += step) {
       const unsigned entry = listed ? ws.wide_list[e] : blockIdx.x * unsigned(x.HV) + blockIdx.y;
       bwd_local_chunk<GATE, K, V, true>(x, ws, gd, entry / unsigned(x.HV),
@@ -868,16 +871,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (ws.wide_flag && ws.wide_flag[size_t(blockIdx.x) * x.HV + blockIdx.y]) return;  // listed
     bwd_local_chunk<GATE, K, V, false>(x, ws, gd, blockIdx.x, int(blockIdx.y));
   }
-}
-
-int multiprocessors() {
-  static const int count = [] {
-    int device = 0, n = 0;
-    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-    check_cuda(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device), "SM count");
-    return n;
-  }();
-  return count;
 }
 
 template <Gate GATE, int K, int V, bool EXACT>
@@ -897,7 +890,7 @@ void launch(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd
   // the EXACT walk of the list: one block an SM (what its shared memory allows anyway)
   const int64_t all = ws.num_chunks * x.HV;
   const dim3 grid = EXACT && ws.wide_flag
-                        ? dim3(unsigned(std::min<int64_t>(all, multiprocessors())))
+                        ? dim3(unsigned(std::min<int64_t>(all, std::max(1, device_sm_count()))))
                         : dim3(unsigned(ws.num_chunks), unsigned(x.HV));
   const size_t bytes = kChannel && x.layer.gate ? L::total_layer : L::total;
   chunk_bwd_local_kernel<GATE, K, V, EXACT><<<grid, kThreads, bytes, stream>>>(x, ws, gd);
@@ -980,8 +973,9 @@ __global__ void finish_qk_grads_kernel(const float* __restrict__ dq_part,
 
 void launch_chunk_bwd_local(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd,
                             Gate gate, int K, int V, cudaStream_t stream) {
-  // KDA chunks beyond the split's range form their pairwise terms exactly (the EXACT instance,
-  // which tests each chunk); a gate bounded inside the range keeps the leaner default instance
+  // KDA chunks chunk_prepare listed (wide decays: raw g, the softplus gate) go to the EXACT
+  // instance, which forms their pairwise terms exactly, the others to the default instance; a
+  // gate bounded inside the split's range lists none and takes the default instance alone
   // Kernel-lab knob KDA_BWD_EXACT_ALL=1: every chunk through the EXACT instance, as before the
   // split (for the A/B timing of raw g and the softplus gate)
   static const bool exact_all = [] {

@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* sX = sm + L::off_x;  // (I + L)^-1, then T = X diag(beta)
   float* sBeta = sm + L::off_beta;
   const int tid = threadIdx.x;
-  const unsigned listed = *ws.wide_count;
+  const unsigned listed = min(*ws.wide_count, unsigned(ws.num_chunks) * unsigned(x.HV));
 
   for (unsigned e = blockIdx.x; e < listed; e += gridDim.x) {
     const unsigned entry = ws.wide_list[e];
