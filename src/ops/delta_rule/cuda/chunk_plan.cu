@@ -1,7 +1,6 @@
 #include "ops/delta_rule/cuda/chunk_plan.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
