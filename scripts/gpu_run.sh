@@ -9,7 +9,7 @@
 # does not travel). How to fill gpu_carry/: docs/GPU_NOTES.md, "Preparing gpu_carry".
 #
 #   scripts/gpu_run.sh [--check-only | --bench-only | --no-fla | --model | --train | --lab |
-#                       --lab-rows | --flashkda]
+#                       --lab-rows | --flashkda | --profile]
 #
 # --flashkda: the KDA forward rows beside fla's and FlashKDA's only (a ~5-minute call).
 # --no-fla: everything but timing fla (a quicker call).
@@ -188,6 +188,41 @@ if [ "$mode" = "--lab" ]; then
   echo "== kda_gpu_train --profile-recall"
   timeout 150 ./build-gpu-app/bin/kda_gpu_train --profile-recall 2>&1 | grep -E "PROFILE|BENCH"
   exit "$status"
+fi
+
+# --profile: Nsight Compute on chunk_prepare (Gated DeltaNet, and the KDA layer, at 8 x 2048)
+# with source-level metrics (-lineinfo build in build-gpu-prof): per-line shared wavefronts and
+# stall samples to $OUT (prepare_<kind>_source.csv), the details page on stdout; then the
+# chunked forward rows (stages timed alone) and the softplus-gate layer rows.
+if [ "$mode" = "--profile" ]; then
+  echo "== configure + build (build-gpu-prof: kda_gpu_check, -lineinfo)"
+  start=$(date +%s)
+  cmake -S . -B build-gpu-prof -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
+    -DCMAKE_CUDA_FLAGS=-lineinfo -DKDA_TESTS=OFF -DKDA_APPS=OFF >"$log_dir/configure_prof.log" 2>&1 &&
+    cmake --build build-gpu-prof --target kda_gpu_check -j "$(nproc)" >"$log_dir/build_prof.log" 2>&1 ||
+    { grep -E "error" -A3 "$log_dir/configure_prof.log" "$log_dir/build_prof.log" | head -40; exit 1; }
+  rm -f "$log_dir/configure_prof.log" "$log_dir/build_prof.log"
+  echo "built in $(($(date +%s) - start)) s"
+  prof_bin=./build-gpu-prof/bin/kda_gpu_check
+  for kind in gdn layer; do
+    # the first matching launch is the 8 x 2048 shape (KDA rows first, GDN after them)
+    if [ "$kind" = gdn ]; then only=chunk re='prepare_kernel<\(kda::ops::Gate\)1'
+    else only=kda re='prepare_kernel<.*true>'; fi
+    echo "== ncu chunk_prepare ($kind, 8 x 2048)"
+    KDA_BENCH_ONLY=$only timeout 300 ncu --kernel-name-base demangled --kernel-name "regex:$re" \
+      --launch-count 1 --set full --import-source yes -f -o "/tmp/prep_$kind" \
+      "$prof_bin" --bench >"/tmp/ncu_$kind.log" 2>&1 || tail -5 "/tmp/ncu_$kind.log"
+    ncu -i "/tmp/prep_$kind.ncu-rep" --page details 2>&1 |
+      grep -E "Duration|Throughput|Registers|Achieved Occupancy|Shared Memory|Wavefronts|Bank|Issue Slots|Eligible|Executed Ipc" | head -40
+    ncu -i "/tmp/prep_$kind.ncu-rep" --page source --csv --print-source cuda \
+      >"$log_dir/prepare_${kind}_source.csv" 2>&1
+    ncu -i "/tmp/prep_$kind.ncu-rep" --page source --csv --print-source sass \
+      >"$log_dir/prepare_${kind}_sass.csv" 2>&1
+    ls -la "$log_dir/prepare_${kind}_source.csv" "$log_dir/prepare_${kind}_sass.csv"
+  done
+  KDA_BENCH_ONLY=chunk timeout 150 "$prof_bin" --bench 2>&1 | grep -E "BENCH chunk_fwd (kda|kda-layer|gdn) "
+  KDA_BENCH_ONLY=kda timeout 150 "$prof_bin" --bench 2>&1 | grep -E "BENCH chunk kda-layer softplus"
+  exit 0
 fi
 
 if [ "$mode" = "--lab-rows" ]; then
