@@ -192,8 +192,10 @@ fi
 
 # --profile: Nsight Compute on chunk_prepare (Gated DeltaNet, and the KDA layer, at 8 x 2048)
 # with source-level metrics (-lineinfo build in build-gpu-prof): per-line shared wavefronts and
-# stall samples to $OUT (prepare_<kind>_source.csv), the details page on stdout; then the
-# chunked forward rows (stages timed alone) and the softplus-gate layer rows.
+# stall samples to $OUT (prepare_<kind>_source.csv), the details page on stdout; then with
+# KDA_LAB_KNOBS (';'-separated knob sets) every delta-rule check with each; then the chunked
+# forward rows (stages timed alone) with the defaults, each knob set and the defaults again, and
+# the softplus-gate layer rows.
 if [ "$mode" = "--profile" ]; then
   echo "== configure + build (build-gpu-prof: kda_gpu_check, -lineinfo)"
   start=$(date +%s)
@@ -206,8 +208,8 @@ if [ "$mode" = "--profile" ]; then
   prof_bin=./build-gpu-prof/bin/kda_gpu_check
   for kind in gdn layer; do
     # the first matching launch is the 8 x 2048 shape (KDA rows first, GDN after them)
-    if [ "$kind" = gdn ]; then only=chunk re='prepare_kernel<\(kda::ops::Gate\)1'
-    else only=kda re='prepare_kernel<.*true>'; fi
+    if [ "$kind" = gdn ]; then only=chunk re='prepare_kernel<\(kda::ops::Gate\)1, 128, 128'
+    else only=kda re='prepare_kernel<\(kda::ops::Gate\)2, 128, 128, true'; fi
     echo "== ncu chunk_prepare ($kind, 8 x 2048)"
     KDA_BENCH_ONLY=$only timeout 300 ncu --kernel-name-base demangled --kernel-name "regex:$re" \
       --launch-count 1 --set full --import-source yes -f -o "/tmp/prep_$kind" \
@@ -220,9 +222,25 @@ if [ "$mode" = "--profile" ]; then
       >"$log_dir/prepare_${kind}_sass.csv" 2>&1
     ls -la "$log_dir/prepare_${kind}_source.csv" "$log_dir/prepare_${kind}_sass.csv"
   done
-  KDA_BENCH_ONLY=chunk timeout 150 "$prof_bin" --bench 2>&1 | grep -E "BENCH chunk_fwd (kda|kda-layer|gdn) "
+  # KDA_LAB_KNOBS (';'-separated knob sets): every delta-rule check with each, then the rows
+  status=0
+  IFS=';' read -r -a prof_knob_sets <<<"${KDA_LAB_KNOBS:-}"
+  for knobs in "${prof_knob_sets[@]}"; do
+    [ -z "$knobs" ] && continue
+    echo "== kda_gpu_check --check with $knobs"
+    # shellcheck disable=SC2086
+    env $knobs timeout 240 "$prof_bin" --check >"$log_dir/prof_check.log" 2>&1 || status=1
+    grep -E "FAIL|NOTE" "$log_dir/prof_check.log" | head -20
+    echo "checks: $(grep -c "^CHECK.*PASS" "$log_dir/prof_check.log") pass"
+  done
+  for knobs in "" "${prof_knob_sets[@]}" ""; do
+    echo "== chunked forward rows with: ${knobs:-(defaults)}"
+    # shellcheck disable=SC2086
+    env $knobs KDA_BENCH_ONLY=chunk timeout 150 "$prof_bin" --bench 2>&1 |
+      grep -E "BENCH chunk_fwd (kda|kda-layer|gdn) "
+  done
   KDA_BENCH_ONLY=kda timeout 150 "$prof_bin" --bench 2>&1 | grep -E "BENCH chunk kda-layer softplus"
-  exit 0
+  exit "$status"
 fi
 
 if [ "$mode" = "--lab-rows" ]; then
