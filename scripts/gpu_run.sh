@@ -208,12 +208,13 @@ if [ "$mode" = "--profile" ]; then
   prof_bin=./build-gpu-prof/bin/kda_gpu_check
   for kind in gdn layer; do
     # the first matching launch is the 8 x 2048 shape (KDA rows first, GDN after them)
-    if [ "$kind" = gdn ]; then only=chunk re='prepare_kernel<\(kda::ops::Gate\)1, 128, 128'
-    else only=kda re='prepare_kernel<\(kda::ops::Gate\)2, 128, 128, true'; fi
+    if [ "$kind" = gdn ]; then only=chunk re='prepare_kernel<[^,]*1, [^,]*128, [^,]*128'
+    else only=kda re='prepare_kernel<[^,]*2, [^,]*128, [^,]*128, [^,]*(true|1)'; fi
     echo "== ncu chunk_prepare ($kind, 8 x 2048)"
     KDA_BENCH_ONLY=$only timeout 300 ncu --kernel-name-base demangled --kernel-name "regex:$re" \
       --launch-count 1 --set full --import-source yes -f -o "/tmp/prep_$kind" \
-      "$prof_bin" --bench >"/tmp/ncu_$kind.log" 2>&1 || tail -5 "/tmp/ncu_$kind.log"
+      "$prof_bin" --bench >"/tmp/ncu_$kind.log" 2>&1
+    grep -E "^==(PROF|WARNING|ERROR)==" "/tmp/ncu_$kind.log" | head -5
     ncu -i "/tmp/prep_$kind.ncu-rep" --page details 2>&1 |
       grep -E "Duration|Throughput|Registers|Achieved Occupancy|Shared Memory|Wavefronts|Bank|Issue Slots|Eligible|Executed Ipc" | head -40
     ncu -i "/tmp/prep_$kind.ncu-rep" --page source --csv --print-source cuda \

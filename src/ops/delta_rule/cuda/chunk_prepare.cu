@@ -76,8 +76,7 @@ __device__ __forceinline__ void row_norms(const bf16* sQs, const bf16* sKs, floa
   if (half == 0) sNorm[rr] = inv;
 }
 
-// MMA_MERGE: phase 4's merges on the tensor cores (kernel-lab knob KDA_PREPARE_MERGE_MMA=1)
-template <Gate GATE, int K, int V, bool LAYER, bool MMA_MERGE>
+template <Gate GATE, int K, int V, bool LAYER>
 __global__ void __launch_bounds__(kThreads, 3)
     chunk_prepare_kernel(const ChunkTokens x, const ChunkWorkspace ws) {
   using L = PrepareLayout<GATE, K, V>;
@@ -445,78 +444,38 @@ __global__ void __launch_bounds__(kThreads, 3)
   // Merge stage d: the blocks (I, J) with I - J = d, X(I, J) = -X(I, I) sum_kb L(I, kb) X(kb, J).
   // Y of block J lives in L's unused upper block (J, 3).
   float* const sY = sL + 48;
-  if constexpr (MMA_MERGE) {
-    // On the tensor cores (3xTF32, about fp32's precision): one warp per 8-column strip of a
-    // block, Y and then X(I, J) inside the warp, so one barrier a stage (the scalar merges below
-    // take two, and their shared-memory loads were a large part of the kernel's L1 traffic)
-    for (int d = 1; d < 4; ++d) {
-      if (warp < 2 * (4 - d)) {
-        const int J = warp >> 1, I = J + d, strip = 8 * (warp & 1), n0 = 16 * J + strip;
-        float y[4] = {};
-        for (int k0 = 16 * J; k0 < 16 * I; k0 += 8) {
-          const float* la = sL + (16 * I + gr) * LDL + k0 + tq;
-          const float* xb = sX + (k0 + tq) * LDL + n0 + gr;
-          const float a[4] = {la[0], la[8 * LDL], la[4], la[8 * LDL + 4]};
-          const float b[2] = {xb[0], xb[4 * LDL]};
-          mma_fp32_3xtf32(y, a, b);
-        }
-        float* ys = sY + 16 * J * LDL + strip;
-        *reinterpret_cast<float2*>(ys + gr * LDL + 2 * tq) = make_float2(y[0], y[1]);
-        *reinterpret_cast<float2*>(ys + (gr + 8) * LDL + 2 * tq) = make_float2(y[2], y[3]);
-        __syncwarp();
-        float xo[4] = {};
-#pragma unroll
-        for (int k0 = 0; k0 < 16; k0 += 8) {
-          const float* xa = sX + (16 * I + gr) * LDL + 16 * I + k0 + tq;
-          const float* yb = ys + (k0 + tq) * LDL + gr;
-          const float a[4] = {xa[0], xa[8 * LDL], xa[4], xa[8 * LDL + 4]};
-          const float b[2] = {yb[0], yb[4 * LDL]};
-          mma_fp32_3xtf32(xo, a, b);
-        }
-        float* xs = sX + (16 * I + gr) * LDL + n0 + 2 * tq;
-        *reinterpret_cast<float2*>(xs) = make_float2(-xo[0], -xo[1]);
-        *reinterpret_cast<float2*>(xs + 8 * LDL) = make_float2(-xo[2], -xo[3]);
+  // On the tensor cores (3xTF32, about fp32's precision): one warp per 8-column strip of a
+  // block, Y and then X(I, J) inside the warp, so one barrier a stage (session 20: the scalar
+  // float4 merges took two, and their shared-memory loads; GDN forward -3 % at 8 x 2048)
+  for (int d = 1; d < 4; ++d) {
+    if (warp < 2 * (4 - d)) {
+      const int J = warp >> 1, I = J + d, strip = 8 * (warp & 1), n0 = 16 * J + strip;
+      float y[4] = {};
+      for (int k0 = 16 * J; k0 < 16 * I; k0 += 8) {
+        const float* la = sL + (16 * I + gr) * LDL + k0 + tq;
+        const float* xb = sX + (k0 + tq) * LDL + n0 + gr;
+        const float a[4] = {la[0], la[8 * LDL], la[4], la[8 * LDL + 4]};
+        const float b[2] = {xb[0], xb[4 * LDL]};
+        mma_fp32_3xtf32(y, a, b);
       }
-      __syncthreads();
+      float* ys = sY + 16 * J * LDL + strip;
+      *reinterpret_cast<float2*>(ys + gr * LDL + 2 * tq) = make_float2(y[0], y[1]);
+      *reinterpret_cast<float2*>(ys + (gr + 8) * LDL + 2 * tq) = make_float2(y[2], y[3]);
+      __syncwarp();
+      float xo[4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < 16; k0 += 8) {
+        const float* xa = sX + (16 * I + gr) * LDL + 16 * I + k0 + tq;
+        const float* yb = ys + (k0 + tq) * LDL + gr;
+        const float a[4] = {xa[0], xa[8 * LDL], xa[4], xa[8 * LDL + 4]};
+        const float b[2] = {yb[0], yb[4 * LDL]};
+        mma_fp32_3xtf32(xo, a, b);
+      }
+      float* xs = sX + (16 * I + gr) * LDL + n0 + 2 * tq;
+      *reinterpret_cast<float2*>(xs) = make_float2(-xo[0], -xo[1]);
+      *reinterpret_cast<float2*>(xs + 8 * LDL) = make_float2(-xo[2], -xo[3]);
     }
-  } else {
-    // A thread owns 4 adjacent columns of one row (float4 operands: a quarter of the
-    // shared-memory loads of one column per thread).
-    for (int d = 1; d < 4; ++d) {
-      const int items = (4 - d) * 64;
-      const int J = tid >> 6, r = (tid >> 2) & 15, c = 4 * (tid & 3), I = J + d;
-      if (tid < items) {
-        float4 y = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int kb = J; kb < I; ++kb) {
-#pragma unroll
-          for (int m = 0; m < 16; ++m) {
-            const float l = sL[(16 * I + r) * LDL + 16 * kb + m];
-            const float4 xv =
-                *reinterpret_cast<const float4*>(sX + (16 * kb + m) * LDL + 16 * J + c);
-            y.x += l * xv.x;
-            y.y += l * xv.y;
-            y.z += l * xv.z;
-            y.w += l * xv.w;
-          }
-        }
-        *reinterpret_cast<float4*>(sY + (16 * J + r) * LDL + c) = y;
-      }
-      __syncthreads();
-      if (tid < items) {
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int m = 0; m < 16; ++m) {
-          const float xd = sX[(16 * I + r) * LDL + 16 * I + m];
-          const float4 yv = *reinterpret_cast<const float4*>(sY + (16 * J + m) * LDL + c);
-          v.x -= xd * yv.x;
-          v.y -= xd * yv.y;
-          v.z -= xd * yv.z;
-          v.w -= xd * yv.w;
-        }
-        *reinterpret_cast<float4*>(sX + (16 * I + r) * LDL + 16 * J + c) = v;
-      }
-      __syncthreads();
-    }
+    __syncthreads();
   }
   for (int idx = tid; idx < C * C / 4; idx += kThreads) {  // T overwrites L (dead now)
     const int i = idx / (C / 4), j = 4 * (idx % (C / 4));
@@ -612,10 +571,10 @@ __global__ void __launch_bounds__(kThreads, 3)
   }
 }
 
-template <Gate GATE, int K, int V, bool LAYER, bool MMA_MERGE>
-void launch_instance(const ChunkTokens& x, const ChunkWorkspace& ws, cudaStream_t stream) {
+template <Gate GATE, int K, int V, bool LAYER>
+void launch(const ChunkTokens& x, const ChunkWorkspace& ws, cudaStream_t stream) {
   using L = PrepareLayout<GATE, K, V>;
-  auto* kernel = chunk_prepare_kernel<GATE, K, V, LAYER, MMA_MERGE>;
+  auto* kernel = chunk_prepare_kernel<GATE, K, V, LAYER>;
   static const bool configured = [kernel] {
     check_cuda(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::total)),
@@ -633,21 +592,6 @@ void launch_instance(const ChunkTokens& x, const ChunkWorkspace& ws, cudaStream_
                                         : dim3(unsigned(ws.num_chunks), unsigned(x.HV));
   kernel<<<grid, kThreads, L::total, stream>>>(x, ws);
   check_launch("chunk_prepare kernel");
-}
-
-// Kernel-lab knob KDA_PREPARE_MERGE_MMA=1: phase 4's merges on the tensor cores
-bool merge_on_mma() {
-  static const bool on = [] {
-    const char* knob = std::getenv("KDA_PREPARE_MERGE_MMA");
-    return knob && knob[0] == '1';
-  }();
-  return on;
-}
-
-template <Gate GATE, int K, int V, bool LAYER>
-void launch(const ChunkTokens& x, const ChunkWorkspace& ws, cudaStream_t stream) {
-  if (merge_on_mma()) return launch_instance<GATE, K, V, LAYER, true>(x, ws, stream);
-  launch_instance<GATE, K, V, LAYER, false>(x, ws, stream);
 }
 
 template <Gate GATE, bool LAYER = false>
