@@ -24,6 +24,7 @@
 #include <type_traits>
 
 #include "ops/delta_rule/cuda/chunk_kernels.cuh"
+#include "ops/delta_rule/cuda/chunk_solve.cuh"
 #include "ops/delta_rule/cuda/delta_rule_cuda.h"
 #include "ops/delta_rule/cuda/device_common.cuh"
 #include "ops/delta_rule/cuda/kda_layer_math.cuh"
@@ -415,18 +416,7 @@ __global__ void __launch_bounds__(kThreads, 3)
 
   // ---- phase 4: X = (I + L)^-1 by 16 x 16 blocks, then T = X diag(beta) ----
   if (warp < 4 && lane < 16) {
-    const int I = warp, c = lane;
-    const float* Lb = sL + 16 * I * LDL + 16 * I;
-    float col[16];
-#pragma unroll
-    for (int r = 0; r < 16; ++r) {
-      float s = r == c ? 1.f : 0.f;
-#pragma unroll
-      for (int m = 0; m < r; ++m) s -= Lb[r * LDL + m] * col[m];
-      col[r] = s;
-    }
-#pragma unroll
-    for (int r = 0; r < 16; ++r) sX[(16 * I + r) * LDL + 16 * I + c] = col[r];
+    invert_diagonal_blocks<LDL>(sL, sX, warp, lane);
   } else if (form_m && warp >= 4) {
     // M out in whole rows, 16 bytes (8 columns) a thread: from the staged block of (I, J) where
     // J <= I, zeros above; before the merges below reuse L's upper blocks for Y
@@ -441,42 +431,8 @@ __global__ void __launch_bounds__(kThreads, 3)
     }
   }
   __syncthreads();
-  // Merge stage d: the blocks (I, J) with I - J = d, X(I, J) = -X(I, I) sum_kb L(I, kb) X(kb, J).
-  // Y of block J lives in L's unused upper block (J, 3).
-  float* const sY = sL + 48;
-  // On the tensor cores (3xTF32, about fp32's precision): one warp per 8-column strip of a
-  // block, Y and then X(I, J) inside the warp, so one barrier a stage (session 20: the scalar
-  // float4 merges took two, and their shared-memory loads; GDN forward -3 % at 8 x 2048)
-  for (int d = 1; d < 4; ++d) {
-    if (warp < 2 * (4 - d)) {
-      const int J = warp >> 1, I = J + d, strip = 8 * (warp & 1), n0 = 16 * J + strip;
-      float y[4] = {};
-      for (int k0 = 16 * J; k0 < 16 * I; k0 += 8) {
-        const float* la = sL + (16 * I + gr) * LDL + k0 + tq;
-        const float* xb = sX + (k0 + tq) * LDL + n0 + gr;
-        const float a[4] = {la[0], la[8 * LDL], la[4], la[8 * LDL + 4]};
-        const float b[2] = {xb[0], xb[4 * LDL]};
-        mma_fp32_3xtf32(y, a, b);
-      }
-      float* ys = sY + 16 * J * LDL + strip;
-      *reinterpret_cast<float2*>(ys + gr * LDL + 2 * tq) = make_float2(y[0], y[1]);
-      *reinterpret_cast<float2*>(ys + (gr + 8) * LDL + 2 * tq) = make_float2(y[2], y[3]);
-      __syncwarp();
-      float xo[4] = {};
-#pragma unroll
-      for (int k0 = 0; k0 < 16; k0 += 8) {
-        const float* xa = sX + (16 * I + gr) * LDL + 16 * I + k0 + tq;
-        const float* yb = ys + (k0 + tq) * LDL + gr;
-        const float a[4] = {xa[0], xa[8 * LDL], xa[4], xa[8 * LDL + 4]};
-        const float b[2] = {yb[0], yb[4 * LDL]};
-        mma_fp32_3xtf32(xo, a, b);
-      }
-      float* xs = sX + (16 * I + gr) * LDL + n0 + 2 * tq;
-      *reinterpret_cast<float2*>(xs) = make_float2(-xo[0], -xo[1]);
-      *reinterpret_cast<float2*>(xs + 8 * LDL) = make_float2(-xo[2], -xo[3]);
-    }
-    __syncthreads();
-  }
+  // the blocks below the diagonal (Y in L's unused upper blocks (J, 3))
+  merge_inverse_blocks<LDL>(sL, sX, warp, lane);
   for (int idx = tid; idx < C * C / 4; idx += kThreads) {  // T overwrites L (dead now)
     const int i = idx / (C / 4), j = 4 * (idx % (C / 4));
     const float4 xr = *reinterpret_cast<const float4*>(sX + i * LDL + j);

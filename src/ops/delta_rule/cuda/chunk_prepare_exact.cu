@@ -11,11 +11,15 @@
 // so nothing overflows and underflow only drops terms below 2^-126. Qt, Kd and exp(G_C) from
 // chunk_prepare are kept (their factors are <= 1 already).
 //
-// Slow by design (one block of 256 threads a listed chunk, ~0.2 M exp2 each, 1 block an SM for
-// its ~180 KB of shared memory): it runs only where the split would have failed.
+// Slow by design (one block of 256 threads a listed chunk, ~0.27 M exp2 each, 1 block an SM for
+// its ~180 KB of shared memory): it runs only where the split would have failed. (Session 20: the
+// pairs j <= i alone, no idle lanes, and chunk_prepare's blocked solve in place of a forward
+// substitution a thread a column, whose 2,016 dependent shared-memory steps were the longest
+// part.)
 #include <algorithm>
 
 #include "ops/delta_rule/cuda/chunk_kernels.cuh"
+#include "ops/delta_rule/cuda/chunk_solve.cuh"
 #include "ops/delta_rule/cuda/device_common.cuh"
 #include "ops/delta_rule/cuda/kda_layer_math.cuh"
 
@@ -28,10 +32,11 @@ constexpr int kThreads = 256;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // fp32 tiles; rows of K + 1 so that threads walking different rows of one column hit different
-// banks
+// banks; C x C rows of C + 4 floats (the blocked solve's float2 stores, its banks as in
+// chunk_prepare)
 template <int K, int V>
 struct ExactLayout {
-  static constexpr int LDK = K + 1, LDV = V + 1, LDC = C + 1;
+  static constexpr int LDK = K + 1, LDV = V + 1, LDC = C + 4;
   static constexpr size_t off_q = 0, off_k = off_q + size_t(C) * LDK;
   static constexpr size_t off_g = off_k + size_t(C) * LDK, off_v = off_g + size_t(C) * LDK;
   static constexpr size_t off_m = off_v + size_t(C) * LDV, off_l = off_m + size_t(C) * LDC;
@@ -117,24 +122,31 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
 
-    // ---- M and A, a thread a (i, j) pair at a time: 2^(G_i - G_j) <= 1 for j <= i ----
+    // ---- M and A over the pairs j <= i, a thread a pair at a time: 2^(G_i - G_j) <= 1 ----
+    // (the pairs enumerated row by row, so that no lane of a warp idles on j > i; the upper
+    // triangle is zeroed apart)
+    for (int p = tid; p < C * (C + 1) / 2; p += kThreads) {
+      int i = int((sqrtf(8.f * float(p) + 1.f) - 1.f) * 0.5f);
+      if (i * (i + 1) / 2 > p) --i;  // sqrtf's rounding
+      if ((i + 1) * (i + 2) / 2 <= p) ++i;
+      const int j = p - i * (i + 1) / 2;
+      const float* qi = sQ + i * LDK;
+      const float* ki = sK + i * LDK;
+      const float* kj = sK + j * LDK;
+      const float* gi = sG + i * LDK;
+      const float* gj = sG + j * LDK;
+      float m = 0.f, a = 0.f;
+      for (int c = 0; c < K; ++c) {
+        const float d = kj[c] * exp2f(gi[c] - gj[c]);
+        m += qi[c] * d;
+        a += ki[c] * d;
+      }
+      sM[i * LDC + j] = m * x.scale;
+      sL[i * LDC + j] = j < i ? a : 0.f;
+    }
     for (int idx = tid; idx < C * C; idx += kThreads) {
       const int i = idx / C, j = idx % C;
-      float m = 0.f, a = 0.f;
-      if (j <= i) {
-        const float* qi = sQ + i * LDK;
-        const float* ki = sK + i * LDK;
-        const float* kj = sK + j * LDK;
-        const float* gi = sG + i * LDK;
-        const float* gj = sG + j * LDK;
-        for (int c = 0; c < K; ++c) {
-          const float d = kj[c] * exp2f(gi[c] - gj[c]);
-          m += qi[c] * d;
-          a += ki[c] * d;
-        }
-      }
-      sM[i * LDC + j] = j <= i ? m * x.scale : 0.f;
-      sL[i * LDC + j] = j < i ? a : 0.f;
+      if (j > i) sM[i * LDC + j] = sL[i * LDC + j] = 0.f;
     }
     __syncthreads();
 
@@ -156,16 +168,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
 
-    // ---- X = (I + L)^-1 by forward substitution, a thread a column ----
-    if (tid < C) {
-      const int j = tid;
-      for (int i = 0; i < C; ++i) {
-        float v = i == j ? 1.f : 0.f;
-        if (i > j) {
-          for (int m = j; m < i; ++m) v -= sL[i * LDC + m] * sX[m * LDC + j];
-        }
-        sX[i * LDC + j] = v;
-      }
+    // ---- X = (I + L)^-1 by 16 x 16 blocks (chunk_solve.cuh; L's upper blocks are scratch) ----
+    if (tid < 4 * 32 && (tid & 31) < 16) invert_diagonal_blocks<LDC>(sL, sX, tid >> 5, tid & 31);
+    __syncthreads();
+    merge_inverse_blocks<LDC>(sL, sX, tid >> 5, tid & 31);
+    // the blocks above the diagonal (never written): zeros, as the products below read them
+    for (int idx = tid; idx < C * C; idx += kThreads) {
+      const int i = idx / C, j = idx % C;
+      if ((j >> 4) > (i >> 4)) sX[i * LDC + j] = 0.f;
     }
     __syncthreads();
     if (ws.X) {  // the backward keeps X (lower, unit diagonal, zeros above)
