@@ -190,7 +190,8 @@ if [ "$mode" = "--lab" ]; then
   exit "$status"
 fi
 
-# --profile: Nsight Compute on chunk_prepare (Gated DeltaNet, and the KDA layer, at 8 x 2048)
+# --profile: Nsight Compute on chunk_prepare (Gated DeltaNet, and the KDA layer, at 8 x 2048) and
+# on the Gated DeltaNet state walk
 # with source-level metrics (-lineinfo build in build-gpu-prof): per-line shared wavefronts and
 # stall samples to $OUT (prepare_<kind>_source.csv), the details page on stdout; then with
 # KDA_LAB_KNOBS (';'-separated knob sets) every delta-rule check with each; then the chunked
@@ -206,11 +207,14 @@ if [ "$mode" = "--profile" ]; then
   rm -f "$log_dir/configure_prof.log" "$log_dir/build_prof.log"
   echo "built in $(($(date +%s) - start)) s"
   prof_bin=./build-gpu-prof/bin/kda_gpu_check
-  for kind in gdn layer; do
+  for kind in gdn layer gdn_state; do
     # the first matching launch is the 8 x 2048 shape (KDA rows first, GDN after them)
-    if [ "$kind" = gdn ]; then only=chunk re='prepare_kernel<[^,]*1, [^,]*128, [^,]*128'
-    else only=kda re='prepare_kernel<[^,]*2, [^,]*128, [^,]*128, [^,]*(true|1)'; fi
-    echo "== ncu chunk_prepare ($kind, 8 x 2048)"
+    case $kind in
+      gdn) only=chunk re='prepare_kernel<[^,]*1, [^,]*128, [^,]*128' ;;
+      layer) only=kda re='prepare_kernel<[^,]*2, [^,]*128, [^,]*128, [^,]*(true|1)' ;;
+      *) only=chunk re='state_wgmma_kernel<[^,]*128, [^,]*128, [^,]*(true|1), [^,]*(true|1)' ;;
+    esac
+    echo "== ncu $kind (8 x 2048)"
     KDA_BENCH_ONLY=$only timeout 300 ncu --kernel-name-base demangled --kernel-name "regex:$re" \
       --launch-count 1 --set full --import-source yes -f -o "/tmp/prep_$kind" \
       "$prof_bin" --bench >"/tmp/ncu_$kind.log" 2>&1
