@@ -225,7 +225,7 @@ if [ "$mode" = "--profile" ]; then
       >"$log_dir/prepare_${kind}_source.csv" 2>&1
     ncu -i "/tmp/prep_$kind.ncu-rep" --page source --csv --print-source sass \
       >"$log_dir/prepare_${kind}_sass.csv" 2>&1
-    ls -la "$log_dir/prepare_${kind}_source.csv" "$log_dir/prepare_${kind}_sass.csv"
+    python3 bench/gpu/ncu_hot_lines.py "$log_dir/prepare_${kind}_source.csv" --top 12 | cut -c1-110
   done
   # KDA_LAB_KNOBS (';'-separated knob sets): every delta-rule check with each, then the rows
   status=0
