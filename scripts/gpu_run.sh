@@ -220,7 +220,8 @@ if [ "$mode" = "--profile" ]; then
       "$prof_bin" --bench >"/tmp/ncu_$kind.log" 2>&1
     grep -E "^==(PROF|WARNING|ERROR)==" "/tmp/ncu_$kind.log" | head -5
     ncu -i "/tmp/prep_$kind.ncu-rep" --page details 2>&1 |
-      grep -E "Duration|Throughput|Registers|Achieved Occupancy|Shared Memory|Wavefronts|Bank|Issue Slots|Eligible|Executed Ipc" | head -40
+      grep -E "^ *(Duration|Memory Throughput|DRAM Throughput|L1/TEX Cache Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Issue Slots Busy) " |
+      sort -u | head -8
     ncu -i "/tmp/prep_$kind.ncu-rep" --page source --csv --print-source cuda \
       >"$log_dir/prepare_${kind}_source.csv" 2>&1
     ncu -i "/tmp/prep_$kind.ncu-rep" --page source --csv --print-source sass \
