@@ -13,9 +13,9 @@
 //
 // Slow by design (one block of 256 threads a listed chunk, ~0.27 M exp2 each, 1 block an SM for
 // its ~180 KB of shared memory): it runs only where the split would have failed. (Session 20: the
-// pairs j <= i alone, no idle lanes, and chunk_prepare's blocked solve in place of a forward
+// pairs j <= i alone, no idle lanes; chunk_prepare's blocked solve in place of a forward
 // substitution a thread a column, whose 2,016 dependent shared-memory steps were the longest
-// part.)
+// part; U and W on the tensor cores.)
 #include <algorithm>
 
 #include "ops/delta_rule/cuda/chunk_kernels.cuh"
@@ -191,19 +191,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
 
-    // ---- U = T V, W = T (k 2^G), lower-triangular T ----
-    for (int idx = tid; idx < C * V; idx += kThreads) {
-      const int i = idx / V, c = idx % V;
-      float u = 0.f;
-      for (int j = 0; j <= i; ++j) u += sX[i * LDC + j] * sV[j * LDV + c];
-      ws.U[(row_base + i) * V + c] = __float2bfloat16(u);
-    }
-    for (int idx = tid; idx < C * K; idx += kThreads) {
-      const int i = idx / K, c = idx % K;
-      float w = 0.f;
-      for (int j = 0; j <= i; ++j) w += sX[i * LDC + j] * sK[j * LDK + c];
-      ws.W[(row_base + i) * K + c] = __float2bfloat16(w);
-    }
+    // ---- U = T V, W = T (k 2^G) on the tensor cores (3xTF32, about fp32's precision): a warp
+    // an 8-column strip at a time, the blocks J <= I of the lower-triangular T only ----
+    auto lower_times = [&](const float* src, int ld, int n, bf16* out) {
+      const int warp = tid >> 5, lane = tid & 31, gr = lane >> 2, tq = lane & 3;
+      for (int n0 = 8 * warp; n0 < n; n0 += 8 * (kThreads / 32)) {
+        for (int I = 0; I < 4; ++I) {
+          float acc[4] = {};
+          for (int k0 = 0; k0 < 16 * (I + 1); k0 += 8) {
+            const float* ta = sX + (16 * I + gr) * LDC + k0 + tq;
+            const float* sb = src + (k0 + tq) * ld + n0 + gr;
+            const float a[4] = {ta[0], ta[8 * LDC], ta[4], ta[8 * LDC + 4]};
+            const float b[2] = {sb[0], sb[4 * ld]};
+            mma_fp32_3xtf32(acc, a, b);
+          }
+          bf16* o = out + (row_base + 16 * I + gr) * n + n0 + 2 * tq;
+          *reinterpret_cast<uint32_t*>(o) = pack_bf16(acc[0], acc[1]);
+          *reinterpret_cast<uint32_t*>(o + 8 * size_t(n)) = pack_bf16(acc[2], acc[3]);
+        }
+      }
+    };
+    lower_times(sV, LDV, V, ws.U);
+    lower_times(sK, LDK, K, ws.W);
     __syncthreads();  // the next listed chunk overwrites the tiles
   }
 }
