@@ -194,9 +194,9 @@ fi
 # on the Gated DeltaNet state walk
 # with source-level metrics (-lineinfo build in build-gpu-prof): per-line shared wavefronts and
 # stall samples to $OUT (prepare_<kind>_source.csv), the details page on stdout; then with
-# KDA_LAB_KNOBS (';'-separated knob sets) every delta-rule check with each; then the chunked
-# forward rows (stages timed alone) with the defaults, each knob set and the defaults again, and
-# the softplus-gate layer rows.
+# KDA_LAB_KNOBS (';'-separated knob sets) every delta-rule check with each; then the KDA
+# forward rows (stages timed alone) and the softplus-gate layer rows with the defaults and each
+# knob set, and the Gated DeltaNet rows twice.
 if [ "$mode" = "--profile" ]; then
   echo "== configure + build (build-gpu-prof: kda_gpu_check, -lineinfo)"
   start=$(date +%s)
@@ -239,13 +239,16 @@ if [ "$mode" = "--profile" ]; then
     grep -E "FAIL|NOTE" "$log_dir/prof_check.log" | head -20
     echo "checks: $(grep -c "^CHECK.*PASS" "$log_dir/prof_check.log") pass"
   done
-  for knobs in "" "${prof_knob_sets[@]}" ""; do
+  for knobs in "" "${prof_knob_sets[@]}"; do
     echo "== chunked forward rows with: ${knobs:-(defaults)}"
     # shellcheck disable=SC2086
-    env $knobs KDA_BENCH_ONLY=chunk timeout 150 "$prof_bin" --bench 2>&1 |
-      grep -E "BENCH chunk_fwd (kda|kda-layer|gdn) "
+    env $knobs KDA_BENCH_ONLY=kda timeout 150 "$prof_bin" --bench 2>&1 |
+      grep -E "BENCH chunk_fwd (kda|kda-layer) |BENCH chunk kda-layer softplus"
   done
-  KDA_BENCH_ONLY=kda timeout 150 "$prof_bin" --bench 2>&1 | grep -E "BENCH chunk kda-layer softplus"
+  echo "== Gated DeltaNet rows (defaults, twice)"
+  for run in 1 2; do
+    KDA_BENCH_ONLY=chunk timeout 150 "$prof_bin" --bench 2>&1 | grep -E "BENCH chunk_fwd gdn "
+  done
   exit "$status"
 fi
 

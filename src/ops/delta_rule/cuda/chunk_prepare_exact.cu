@@ -17,6 +17,7 @@
 // substitution a thread a column, whose 2,016 dependent shared-memory steps were the longest
 // part; U and W on the tensor cores.)
 #include <algorithm>
+#include <cstdlib>
 
 #include "ops/delta_rule/cuda/chunk_kernels.cuh"
 #include "ops/delta_rule/cuda/chunk_solve.cuh"
@@ -41,15 +42,21 @@ struct ExactLayout {
   static constexpr size_t off_g = off_k + size_t(C) * LDK, off_v = off_g + size_t(C) * LDK;
   static constexpr size_t off_m = off_v + size_t(C) * LDV, off_l = off_m + size_t(C) * LDC;
   static constexpr size_t off_x = off_l + size_t(C) * LDC, off_beta = off_x + size_t(C) * LDC;
-  static constexpr size_t floats = off_beta + C;
+  // ANCHORED: the anchored operands of the blocks below the diagonal, rows of K + 4 floats (the
+  // tensor-core fragments' banks)
+  static constexpr int LDR = K + 4;
+  static constexpr size_t off_r = off_beta + C;
+  static constexpr size_t floats = off_r + size_t(C) * LDR;
   static constexpr size_t bytes = floats * 4;
 };
 
-template <int K, int V, bool LAYER>
+// ANCHORED: M and A below the diagonal blocks on the tensor cores from anchored operands (the
+// kernel-lab knob KDA_EXACT_ALL_PAIRS=1 takes every pair elementwise instead)
+template <int K, int V, bool LAYER, bool ANCHORED>
 __global__ void __launch_bounds__(kThreads, 1)
     chunk_prepare_exact_kernel(const ChunkTokens x, const ChunkWorkspace ws) {
   using L = ExactLayout<K, V>;
-  constexpr int LDK = L::LDK, LDV = L::LDV, LDC = L::LDC;
+  constexpr int LDK = L::LDK, LDV = L::LDV, LDC = L::LDC, LDR = L::LDR;
   extern __shared__ __align__(16) float sm[];
   float* sQ = sm + L::off_q;  // q (normalised with the layer's l2norm)
   float* sK = sm + L::off_k;  // k, then k 2^G (phase 5)
@@ -59,6 +66,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* sL = sm + L::off_l;  // A = k_i . k_j 2^(G_i - G_j), j < i; then L = beta_i A
   float* sX = sm + L::off_x;  // (I + L)^-1, then T = X diag(beta)
   float* sBeta = sm + L::off_beta;
+  float* sR = sm + L::off_r;  // ANCHORED: rows 0-15 k_j 2^(G_b - G_j), then x_i 2^(G_i - G_b)
   const int tid = threadIdx.x;
   const unsigned listed = min(*ws.wide_count, unsigned(ws.num_chunks) * unsigned(x.HV));
 
@@ -122,14 +130,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
 
-    // ---- M and A over the pairs j <= i, a thread a pair at a time: 2^(G_i - G_j) <= 1 ----
-    // (the pairs enumerated row by row, so that no lane of a warp idles on j > i; the upper
-    // triangle is zeroed apart)
-    for (int p = tid; p < C * (C + 1) / 2; p += kThreads) {
-      int i = int((sqrtf(8.f * float(p) + 1.f) - 1.f) * 0.5f);
-      if (i * (i + 1) / 2 > p) --i;  // sqrtf's rounding
-      if ((i + 1) * (i + 2) / 2 <= p) ++i;
-      const int j = p - i * (i + 1) / 2;
+    // ---- M and A. ANCHORED: the four diagonal 16 x 16 blocks pair by pair with
+    // 2^(G_i - G_j) <= 1 formed elementwise, the blocks below them on the tensor cores (below);
+    // else every pair j <= i so. Pairs enumerated row by row, so that no lane of a warp idles
+    // on j > i; the upper triangle is zeroed apart ----
+    constexpr int kPairs = ANCHORED ? 4 * 136 : C * (C + 1) / 2;
+    for (int p = tid; p < kPairs; p += kThreads) {
+      const int block = ANCHORED ? p / 136 : 0, t = ANCHORED ? p % 136 : p;
+      int r = int((sqrtf(8.f * float(t) + 1.f) - 1.f) * 0.5f);
+      if (r * (r + 1) / 2 > t) --r;  // sqrtf's rounding
+      if ((r + 1) * (r + 2) / 2 <= t) ++r;
+      const int i = 16 * block + r, j = 16 * block + t - r * (r + 1) / 2;
       const float* qi = sQ + i * LDK;
       const float* ki = sK + i * LDK;
       const float* kj = sK + j * LDK;
@@ -143,6 +154,47 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       sM[i * LDC + j] = m * x.scale;
       sL[i * LDC + j] = j < i ? a : 0.f;
+    }
+    if constexpr (ANCHORED) {
+      // The blocks (I, J), I > J (fla's way): around the first row b of block J + 1,
+      // x_i 2^(G_i - G_b) (i >= b) and k_j 2^(G_b - G_j) (j < b) each carry a factor <= 1, so
+      // neither overflows, and their product is the pair's term. Per J: the right operand and the
+      // left one of q (M), then of k (A), each followed by its products, a warp a 16 x 8 strip.
+      const int warp = tid >> 5, lane = tid & 31, gr = lane >> 2, tq = lane & 3;
+      for (int J = 0; J < 3; ++J) {
+        const int b = 16 * (J + 1), rows = 16 + C - b;
+        for (int pass = 0; pass < 2; ++pass) {
+          const float* src = pass == 0 ? sQ : sK;
+          for (int idx = pass == 0 ? tid : 16 * K + tid; idx < rows * K; idx += kThreads) {
+            const int rr = idx / K, c = idx % K;
+            const float gb = sG[b * LDK + c];
+            const int row = rr < 16 ? 16 * J + rr : b + rr - 16;
+            const float g = sG[row * LDK + c];
+            sR[rr * LDR + c] =
+                rr < 16 ? sK[row * LDK + c] * exp2f(gb - g) : src[row * LDK + c] * exp2f(g - gb);
+          }
+          __syncthreads();
+          for (int u = warp; u < 2 * (3 - J); u += kThreads / 32) {
+            const int I = J + 1 + (u >> 1), n0 = 8 * (u & 1), lr0 = 16 * (I - J);
+            float acc[4] = {};
+#pragma unroll 4
+            for (int k0 = 0; k0 < K; k0 += 8) {
+              const float* la = sR + (lr0 + gr) * LDR + k0 + tq;
+              const float* rb = sR + (n0 + gr) * LDR + k0 + tq;  // B(k, n) = right row n
+              const float af[4] = {la[0], la[8 * LDR], la[4], la[8 * LDR + 4]};
+              const float bf[2] = {rb[0], rb[4]};
+              mma_fp32_3xtf32(acc, af, bf);
+            }
+            const float sc = pass == 0 ? x.scale : 1.f;
+            float* dst = (pass == 0 ? sM : sL) + (16 * I + gr) * LDC + 16 * J + n0 + 2 * tq;
+            dst[0] = acc[0] * sc;
+            dst[1] = acc[1] * sc;
+            dst[8 * LDC] = acc[2] * sc;
+            dst[8 * LDC + 1] = acc[3] * sc;
+          }
+          __syncthreads();
+        }
+      }
     }
     for (int idx = tid; idx < C * C; idx += kThreads) {
       const int i = idx / C, j = idx % C;
@@ -217,20 +269,31 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-template <int K, int V, bool LAYER>
-void launch(const ChunkTokens& x, const ChunkWorkspace& ws, cudaStream_t stream) {
+template <int K, int V, bool LAYER, bool ANCHORED>
+void launch_instance(const ChunkTokens& x, const ChunkWorkspace& ws, cudaStream_t stream) {
   using L = ExactLayout<K, V>;
-  static const bool configured = [] {
-    check_cuda(cudaFuncSetAttribute(chunk_prepare_exact_kernel<K, V, LAYER>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::bytes)),
-               "chunk_prepare_exact shared memory limit");
+  auto* kernel = chunk_prepare_exact_kernel<K, V, LAYER, ANCHORED>;
+  static const bool configured = [kernel] {
+    check_cuda(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::bytes)),
+        "chunk_prepare_exact shared memory limit");
     return true;
   }();
   (void)configured;
   // the list's length is on the device: a block an SM walks it (most launches find it empty)
   const unsigned blocks = unsigned(std::max(1, device_sm_count()));
-  chunk_prepare_exact_kernel<K, V, LAYER><<<blocks, kThreads, L::bytes, stream>>>(x, ws);
+  kernel<<<blocks, kThreads, L::bytes, stream>>>(x, ws);
   check_launch("chunk_prepare_exact kernel");
+}
+
+template <int K, int V, bool LAYER>
+void launch(const ChunkTokens& x, const ChunkWorkspace& ws, cudaStream_t stream) {
+  static const bool all_pairs = [] {
+    const char* knob = std::getenv("KDA_EXACT_ALL_PAIRS");
+    return knob && knob[0] == '1';
+  }();
+  if (all_pairs) return launch_instance<K, V, LAYER, false>(x, ws, stream);
+  launch_instance<K, V, LAYER, true>(x, ws, stream);
 }
 
 template <bool LAYER>
