@@ -194,9 +194,9 @@ fi
 # on the Gated DeltaNet state walk
 # with source-level metrics (-lineinfo build in build-gpu-prof): per-line shared wavefronts and
 # stall samples to $OUT (prepare_<kind>_source.csv), the details page on stdout; then with
-# KDA_LAB_KNOBS (';'-separated knob sets) every delta-rule check with each; then the KDA
-# forward rows (stages timed alone) and the softplus-gate layer rows with the defaults and each
-# knob set, and the Gated DeltaNet rows twice.
+# every delta-rule check (where one fails, again with each of KDA_LAB_KNOBS, ';'-separated knob
+# sets); then the KDA forward rows (stages timed alone) and the softplus-gate layer rows with the
+# defaults and each knob set, and the Gated DeltaNet rows.
 if [ "$mode" = "--profile" ]; then
   echo "== configure + build (build-gpu-prof: kda_gpu_check, -lineinfo)"
   start=$(date +%s)
@@ -216,7 +216,7 @@ if [ "$mode" = "--profile" ]; then
     esac
     echo "== ncu $kind (8 x 2048)"
     KDA_BENCH_ONLY=$only timeout 300 ncu --kernel-name-base demangled --kernel-name "regex:$re" \
-      --launch-count 1 --set full --import-source yes -f -o "/tmp/prep_$kind" \
+      --launch-count 1 --kill yes --set full --import-source yes -f -o "/tmp/prep_$kind" \
       "$prof_bin" --bench >"/tmp/ncu_$kind.log" 2>&1
     grep -E "^==(PROF|WARNING|ERROR)==" "/tmp/ncu_$kind.log" | head -5
     ncu -i "/tmp/prep_$kind.ncu-rep" --page details 2>&1 |
@@ -228,15 +228,16 @@ if [ "$mode" = "--profile" ]; then
       >"$log_dir/prepare_${kind}_sass.csv" 2>&1
     python3 bench/gpu/ncu_hot_lines.py "$log_dir/prepare_${kind}_source.csv" --top 12 | cut -c1-110
   done
-  # KDA_LAB_KNOBS (';'-separated knob sets): every delta-rule check with each, then the rows
+  # every delta-rule check with the defaults; where one fails, again with each of KDA_LAB_KNOBS
+  # (';'-separated knob sets), to tell which change failed
   status=0
   IFS=';' read -r -a prof_knob_sets <<<"${KDA_LAB_KNOBS:-}"
-  for knobs in "${prof_knob_sets[@]}"; do
-    [ -z "$knobs" ] && continue
-    echo "== kda_gpu_check --check with $knobs"
+  for knobs in "" "${prof_knob_sets[@]}"; do
+    [ -n "$knobs" ] && [ "$status" -eq 0 ] && break
+    echo "== kda_gpu_check --check with: ${knobs:-(defaults)}"
     # shellcheck disable=SC2086
     env $knobs timeout 240 "$prof_bin" --check >"$log_dir/prof_check.log" 2>&1 || status=1
-    grep -E "FAIL|NOTE" "$log_dir/prof_check.log" | head -20
+    grep -E "FAIL" "$log_dir/prof_check.log" | head -12
     echo "checks: $(grep -c "^CHECK.*PASS" "$log_dir/prof_check.log") pass"
   done
   for knobs in "" "${prof_knob_sets[@]}"; do
@@ -245,10 +246,8 @@ if [ "$mode" = "--profile" ]; then
     env $knobs KDA_BENCH_ONLY=kda timeout 150 "$prof_bin" --bench 2>&1 |
       grep -E "BENCH chunk_fwd (kda|kda-layer) |BENCH chunk kda-layer softplus"
   done
-  echo "== Gated DeltaNet rows (defaults, twice)"
-  for run in 1 2; do
-    KDA_BENCH_ONLY=chunk timeout 150 "$prof_bin" --bench 2>&1 | grep -E "BENCH chunk_fwd gdn "
-  done
+  echo "== Gated DeltaNet rows (defaults)"
+  KDA_BENCH_ONLY=chunk timeout 150 "$prof_bin" --bench 2>&1 | grep -E "BENCH chunk_fwd gdn "
   exit "$status"
 fi
 
