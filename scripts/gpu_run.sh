@@ -192,8 +192,9 @@ fi
 
 # --profile: Nsight Compute on chunk_prepare (Gated DeltaNet, and the KDA layer, at 8 x 2048) and
 # on the Gated DeltaNet state walk
-# with source-level metrics (-lineinfo build in build-gpu-prof): per-line shared wavefronts and
-# stall samples to $OUT (prepare_<kind>_source.csv), the details page on stdout; then with
+# with SASS-level metrics (build-gpu-prof, -lineinfo): each instruction's stall samples and
+# shared wavefronts to $OUT (ncu_<kind>_sass.csv), summed by stall reason and opcode on stdout
+# (bench/gpu/ncu_hot_lines.py) with a few lines of the details page; then with
 # every delta-rule check (where one fails, again with each of KDA_LAB_KNOBS, ';'-separated knob
 # sets); then the KDA forward rows (stages timed alone) and the softplus-gate layer rows with the
 # defaults and each knob set, and the Gated DeltaNet rows.
@@ -222,11 +223,9 @@ if [ "$mode" = "--profile" ]; then
     ncu -i "/tmp/prep_$kind.ncu-rep" --page details 2>&1 |
       grep -E "^ *(Duration|Memory Throughput|DRAM Throughput|L1/TEX Cache Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Issue Slots Busy) " |
       sort -u | head -8
-    ncu -i "/tmp/prep_$kind.ncu-rep" --page source --csv --print-source cuda \
-      >"$log_dir/prepare_${kind}_source.csv" 2>&1
     ncu -i "/tmp/prep_$kind.ncu-rep" --page source --csv --print-source sass \
-      >"$log_dir/prepare_${kind}_sass.csv" 2>&1
-    python3 bench/gpu/ncu_hot_lines.py "$log_dir/prepare_${kind}_source.csv" --top 12 | cut -c1-110
+      >"$log_dir/ncu_${kind}_sass.csv" 2>&1
+    python3 bench/gpu/ncu_hot_lines.py "$log_dir/ncu_${kind}_sass.csv" --top 8
   done
   # every delta-rule check with the defaults; where one fails, again with each of KDA_LAB_KNOBS
   # (';'-separated knob sets), to tell which change failed

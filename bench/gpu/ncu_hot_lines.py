@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""The hottest source lines of an Nsight Compute source-page export.
+"""Where a kernel's time goes, from an Nsight Compute SASS source-page export.
 
-    ncu -i REPORT --page source --csv --print-source cuda > source.csv
-    python3 bench/gpu/ncu_hot_lines.py source.csv [--top 30]
+    ncu -i REPORT --page source --csv --print-source sass > sass.csv
+    python3 bench/gpu/ncu_hot_lines.py sass.csv [--top 12]
 
-Prints, for the lines with the most warp-stall samples, their share of all samples and of the
-shared-memory wavefronts (the columns are found by name, so that other ncu versions' extra
-columns do not matter), with the source text.
+Prints the warp-stall reasons' shares of all samples, the shared-memory wavefronts against
+their ideal (bank conflicts), and the opcodes with the most stall samples (instructions
+executed, shared wavefronts). Columns are found by name, so other ncu versions' extra
+columns do not matter.
 """
 import argparse
 import csv
@@ -20,46 +21,46 @@ def number(text):
         return 0.0
 
 
-def find(header, *words):
-    for i, name in enumerate(header):
-        if all(w.lower() in name.lower() for w in words):
-            return i
-    return None
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("csv")
-    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--top", type=int, default=12)
     args = parser.parse_args()
     with open(args.csv, newline="") as f:
         rows = list(csv.reader(f))
-    start = next((i for i, r in enumerate(rows) if find(r, "source") is not None and len(r) > 3),
-                 None)
+    start = next((i for i, r in enumerate(rows) if "Source" in r and "Address" in r), None)
     if start is None:
-        sys.exit("no source table in " + args.csv)
-    header, body = rows[start], rows[start + 1:]
-    col_line = find(header, "line")
-    col_src = find(header, "source")
-    col_stall = find(header, "stall sampling", "all")
-    col_wave = find(header, "wavefronts shared") or find(header, "shared", "wavefront")
-    col_inst = find(header, "instructions executed")
-    total_stall = sum(number(r[col_stall]) for r in body if col_stall is not None and
-                      len(r) > col_stall) or 1.0
-    total_wave = sum(number(r[col_wave]) for r in body if col_wave is not None and
-                     len(r) > col_wave) or 1.0
-    print(f"columns: stall={header[col_stall] if col_stall is not None else '-'}, "
-          f"wavefronts={header[col_wave] if col_wave is not None else '-'}")
-    key = col_stall if col_stall is not None else col_wave
-    body = [r for r in body if len(r) > max(c for c in (key, col_src) if c is not None)]
-    body.sort(key=lambda r: -number(r[key]))
-    print(f"{'line':>5} {'stall%':>7} {'smem%':>7} {'inst':>10}  source")
-    for r in body[:args.top]:
-        stall = number(r[col_stall]) / total_stall * 100 if col_stall is not None else 0
-        wave = number(r[col_wave]) / total_wave * 100 if col_wave is not None else 0
-        inst = r[col_inst] if col_inst is not None else ""
-        line = r[col_line] if col_line is not None else ""
-        print(f"{line:>5} {stall:7.2f} {wave:7.2f} {inst:>10}  {r[col_src].strip()[:100]}")
+        sys.exit("no SASS table in " + args.csv)
+    header = rows[start]
+    body = [r for r in rows[start + 1:] if len(r) == len(header)]
+    col = {name: i for i, name in enumerate(header)}
+    samples = col.get("Warp Stall Sampling (All Samples)")
+    if samples is None:
+        sys.exit("no stall samples in " + args.csv)
+    total = sum(number(r[samples]) for r in body) or 1.0
+    reasons = [n for n in header if n.startswith("stall_") and "Not Issued" not in n]
+    shares = sorted(((sum(number(r[col[n]]) for r in body) / total, n[6:]) for n in reasons),
+                    reverse=True)
+    print("stalls: " + ", ".join(f"{name} {share * 100:.1f}%" for share, name in shares[:8]))
+    wave, ideal = col.get("L1 Wavefronts Shared"), col.get("L1 Wavefronts Shared Ideal")
+    if wave is not None and ideal is not None:
+        w = sum(number(r[wave]) for r in body)
+        i = sum(number(r[ideal]) for r in body)
+        print(f"shared wavefronts {w:.3g} (ideal {i:.3g})")
+    executed = col.get("Instructions Executed")
+    by_op = {}
+    for r in body:
+        words = r[col["Source"]].split()
+        if words and words[0].startswith("@"):
+            words = words[1:]
+        op = words[0].split(".")[0] if words else "?"
+        entry = by_op.setdefault(op, [0.0, 0.0, 0.0])
+        entry[0] += number(r[samples])
+        entry[1] += number(r[executed]) if executed is not None else 0
+        entry[2] += number(r[wave]) if wave is not None else 0
+    print(f"{'opcode':10} {'stall%':>7} {'executed':>12} {'smem wf':>12}")
+    for op, (s, e, w) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:args.top]:
+        print(f"{op:10} {s / total * 100:7.1f} {e:12.0f} {w:12.0f}")
 
 
 if __name__ == "__main__":
