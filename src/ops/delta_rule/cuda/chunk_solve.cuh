@@ -7,12 +7,12 @@
 
 namespace kda::ops::cuda_detail {
 
-// X(I, I) = (I + L(I, I))^-1 for I = 0..3: called by warps 0-3, lanes 0-15 (a column each);
+// X(I, I) = (I + L(I, I))^-1 for I = block: called by 16 lanes of one warp (a column each);
 // writes the whole diagonal blocks of sX (zeros above their diagonals).
 template <int LD>
-__device__ __forceinline__ void invert_diagonal_blocks(const float* sL, float* sX, int warp,
+__device__ __forceinline__ void invert_diagonal_blocks(const float* sL, float* sX, int block,
                                                        int lane) {
-  const int I = warp, c = lane;
+  const int I = block, c = lane;
   const float* Lb = sL + 16 * I * LD + 16 * I;
   float col[16];
 #pragma unroll
