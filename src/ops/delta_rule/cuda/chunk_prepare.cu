@@ -333,12 +333,7 @@ __global__ void __launch_bounds__(kThreads, 3)
     // units 20-25 write A's zero upper blocks (M's are written by the flush in phase 4)
     const int units = (form_m ? 20 : 10) + (ws.A ? 6 : 0);
     for (int unit = warp; unit < units; unit += 8) {
-      // Gated DeltaNet forward (form_m false): L's diagonal blocks first (b = 0, 2, 5, 9 on warps
-      // 0-3), each inverted at once by the warp that formed it, so that no barrier waits on the
-      // inversion (session 20's profile: 15 % of the kernel's stall samples were that wait)
-      const int u = form_m      ? unit
-                    : unit < 10 ? 10 + int((0x8764319520ull >> (4 * unit)) & 15)
-                                : 10 + unit;
+      const int u = form_m ? unit : 10 + unit;
       if (u < 20) {
         const bool is_m = u < 10;
         const int b = is_m ? u : u - 10;
@@ -391,10 +386,6 @@ __global__ void __launch_bounds__(kThreads, 3)
             }
           }
         }
-        if (!form_m && !is_m && I == J) {  // sX lies over the unused q tile here
-          __syncwarp();
-          if (lane < 16) invert_diagonal_blocks<LDL>(sL, sX, I, lane);
-        }
       } else {
         const int z = u - 20;  // upper blocks (0,1) (0,2) (0,3) (1,2) (1,3) (2,3)
         const int I = z < 3 ? 0 : z < 5 ? 1 : 2;
@@ -424,7 +415,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   cp_async_commit();
 
   // ---- phase 4: X = (I + L)^-1 by 16 x 16 blocks, then T = X diag(beta) ----
-  if (form_m && warp < 4 && lane < 16) {
+  if (warp < 4 && lane < 16) {
     invert_diagonal_blocks<LDL>(sL, sX, warp, lane);
   } else if (form_m && warp >= 4) {
     // M out in whole rows, 16 bytes (8 columns) a thread: from the staged block of (I, J) where
@@ -439,7 +430,7 @@ __global__ void __launch_bounds__(kThreads, 3)
       *reinterpret_cast<uint4*>(ws.M + (row_base + r) * C + c8) = v;
     }
   }
-  if (form_m) __syncthreads();  // (uniform; else the diagonal blocks were inverted in phase 3)
+  __syncthreads();
   // the blocks below the diagonal (Y in L's unused upper blocks (J, 3))
   merge_inverse_blocks<LDL>(sL, sX, warp, lane);
   for (int idx = tid; idx < C * C / 4; idx += kThreads) {  // T overwrites L (dead now)
