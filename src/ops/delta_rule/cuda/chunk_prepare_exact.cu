@@ -1,23 +1,24 @@
 // chunk_prepare_exact: KDA chunks whose gates decay too fast for chunk_prepare's split, redone
-// in fp32 with every pairwise decay formed elementwise.
+// in fp32 with no factor above 1.
 //
 // chunk_prepare forms q_i^T diag(2^(G_i - G_j)) k_j as (q_i 2^(G_i - G_a)) . (k_j 2^(G_a - G_j))
 // around the first row a of i's 16-row block. The right factor grows with the decay inside the
 // block; past ~2^128 (about 88 nats in 16 tokens, which the softplus gate reaches in training)
-// it leaves bf16's range and M, L turn to inf / NaN. fla computes the diagonal blocks
-// elementwise when the gate is not its bounded "safe" gate; here chunk_prepare lists the chunks
-// that need it (ChunkWorkspace::wide_list) and this kernel recomputes their M, T, W, U (and X, A
-// for the backward) from the inputs with exp2(G_i - G_j) <= 1 for every pair: no factor above 1,
-// so nothing overflows and underflow only drops terms below 2^-126. Qt, Kd and exp(G_C) from
-// chunk_prepare are kept (their factors are <= 1 already).
+// it leaves bf16's range and M, L turn to inf / NaN. chunk_prepare lists the chunks that need it
+// (ChunkWorkspace::wide_list) and this kernel recomputes their M, T, W, U (and X, A for the
+// backward) from the inputs as fla computes any decay: the diagonal 16 x 16 blocks pair by pair
+// with exp2(G_i - G_j) <= 1, the blocks below them from operands anchored at the first row of
+// the next block (both factors <= 1), so nothing overflows and underflow only drops terms below
+// 2^-126. Qt, Kd and exp(G_C) from chunk_prepare are kept (their factors are <= 1 already).
 //
-// Slow by design (one block of 256 threads a listed chunk, ~0.27 M exp2 each, 1 block an SM for
-// its ~180 KB of shared memory): it runs only where the split would have failed. (Session 20: the
-// pairs j <= i alone, no idle lanes; chunk_prepare's blocked solve in place of a forward
-// substitution a thread a column, whose 2,016 dependent shared-memory steps were the longest
-// part; U and W on the tensor cores.)
+// One block of 256 threads a listed chunk, one block an SM for its ~213 KB of shared memory; the
+// products on the tensor cores in 3xTF32 (about fp32's precision). It runs only where the split
+// would have failed: 27 % of the chunk-heads of a KDA model trained on MQAR 2048 with the
+// softplus gate by step 3000 (session 20, KDA_REPORT_WIDE). Session 20 made it ~1.6x faster
+// (the forward with every chunk listed 8.5 -> 5.3 ms at 8 x 2048): chunk_prepare's blocked solve
+// in place of a forward substitution a thread a column (2,016 dependent shared-memory steps),
+// U and W and the off-diagonal blocks on the tensor cores, the pairs j <= i alone.
 #include <algorithm>
-#include <cstdlib>
 
 #include "ops/delta_rule/cuda/chunk_kernels.cuh"
 #include "ops/delta_rule/cuda/chunk_solve.cuh"
@@ -42,7 +43,7 @@ struct ExactLayout {
   static constexpr size_t off_g = off_k + size_t(C) * LDK, off_v = off_g + size_t(C) * LDK;
   static constexpr size_t off_m = off_v + size_t(C) * LDV, off_l = off_m + size_t(C) * LDC;
   static constexpr size_t off_x = off_l + size_t(C) * LDC, off_beta = off_x + size_t(C) * LDC;
-  // ANCHORED: the anchored operands of the blocks below the diagonal, rows of K + 4 floats (the
+  // the anchored operands of the blocks below the diagonal, rows of K + 4 floats (the
   // tensor-core fragments' banks)
   static constexpr int LDR = K + 4;
   static constexpr size_t off_r = off_beta + C;
@@ -50,9 +51,7 @@ struct ExactLayout {
   static constexpr size_t bytes = floats * 4;
 };
 
-// ANCHORED: M and A below the diagonal blocks on the tensor cores from anchored operands (the
-// kernel-lab knob KDA_EXACT_ALL_PAIRS=1 takes every pair elementwise instead)
-template <int K, int V, bool LAYER, bool ANCHORED>
+template <int K, int V, bool LAYER>
 __global__ void __launch_bounds__(kThreads, 1)
     chunk_prepare_exact_kernel(const ChunkTokens x, const ChunkWorkspace ws) {
   using L = ExactLayout<K, V>;
@@ -66,7 +65,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* sL = sm + L::off_l;  // A = k_i . k_j 2^(G_i - G_j), j < i; then L = beta_i A
   float* sX = sm + L::off_x;  // (I + L)^-1, then T = X diag(beta)
   float* sBeta = sm + L::off_beta;
-  float* sR = sm + L::off_r;  // ANCHORED: rows 0-15 k_j 2^(G_b - G_j), then x_i 2^(G_i - G_b)
+  float* sR = sm + L::off_r;  // rows 0-15 k_j 2^(G_b - G_j), then x_i 2^(G_i - G_b)
   const int tid = threadIdx.x;
   const unsigned listed = min(*ws.wide_count, unsigned(ws.num_chunks) * unsigned(x.HV));
 
@@ -130,13 +129,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
 
-    // ---- M and A. ANCHORED: the four diagonal 16 x 16 blocks pair by pair with
-    // 2^(G_i - G_j) <= 1 formed elementwise, the blocks below them on the tensor cores (below);
-    // else every pair j <= i so. Pairs enumerated row by row, so that no lane of a warp idles
-    // on j > i; the upper triangle is zeroed apart ----
-    constexpr int kPairs = ANCHORED ? 4 * 136 : C * (C + 1) / 2;
-    for (int p = tid; p < kPairs; p += kThreads) {
-      const int block = ANCHORED ? p / 136 : 0, t = ANCHORED ? p % 136 : p;
+    // ---- M and A: the four diagonal 16 x 16 blocks pair by pair with 2^(G_i - G_j) <= 1 formed
+    // elementwise (the pairs j <= i enumerated row by row, so that no lane of a warp idles on
+    // j > i), the blocks below them on the tensor cores (below); the upper triangle is zeroed
+    // apart (session 20: against every pair elementwise, the forward of a listed chunk -2.4 %) ----
+    for (int p = tid; p < 4 * 136; p += kThreads) {
+      const int block = p / 136, t = p % 136;
       int r = int((sqrtf(8.f * float(t) + 1.f) - 1.f) * 0.5f);
       if (r * (r + 1) / 2 > t) --r;  // sqrtf's rounding
       if ((r + 1) * (r + 2) / 2 <= t) ++r;
@@ -155,7 +153,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       sM[i * LDC + j] = m * x.scale;
       sL[i * LDC + j] = j < i ? a : 0.f;
     }
-    if constexpr (ANCHORED) {
+    {
       // The blocks (I, J), I > J (fla's way): around the first row b of block J + 1,
       // x_i 2^(G_i - G_b) (i >= b) and k_j 2^(G_b - G_j) (j < b) each carry a factor <= 1, so
       // neither overflows, and their product is the pair's term. Per J: the right operand and the
@@ -269,10 +267,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-template <int K, int V, bool LAYER, bool ANCHORED>
-void launch_instance(const ChunkTokens& x, const ChunkWorkspace& ws, cudaStream_t stream) {
+template <int K, int V, bool LAYER>
+void launch(const ChunkTokens& x, const ChunkWorkspace& ws, cudaStream_t stream) {
   using L = ExactLayout<K, V>;
-  auto* kernel = chunk_prepare_exact_kernel<K, V, LAYER, ANCHORED>;
+  auto* kernel = chunk_prepare_exact_kernel<K, V, LAYER>;
   static const bool configured = [kernel] {
     check_cuda(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::bytes)),
@@ -284,16 +282,6 @@ void launch_instance(const ChunkTokens& x, const ChunkWorkspace& ws, cudaStream_
   const unsigned blocks = unsigned(std::max(1, device_sm_count()));
   kernel<<<blocks, kThreads, L::bytes, stream>>>(x, ws);
   check_launch("chunk_prepare_exact kernel");
-}
-
-template <int K, int V, bool LAYER>
-void launch(const ChunkTokens& x, const ChunkWorkspace& ws, cudaStream_t stream) {
-  static const bool all_pairs = [] {
-    const char* knob = std::getenv("KDA_EXACT_ALL_PAIRS");
-    return knob && knob[0] == '1';
-  }();
-  if (all_pairs) return launch_instance<K, V, LAYER, false>(x, ws, stream);
-  launch_instance<K, V, LAYER, true>(x, ws, stream);
 }
 
 template <bool LAYER>
