@@ -9,7 +9,7 @@
 # does not travel). How to fill gpu_carry/: docs/GPU_NOTES.md, "Preparing gpu_carry".
 #
 #   scripts/gpu_run.sh [--check-only | --bench-only | --no-fla | --model | --train | --lab |
-#                       --lab-rows | --flashkda | --profile]
+#                       --lab-rows | --rows | --flashkda | --profile]
 #
 # --flashkda: the KDA forward rows beside fla's and FlashKDA's only (a ~5-minute call).
 # --no-fla: everything but timing fla (a quicker call).
@@ -247,6 +247,26 @@ if [ "$mode" = "--profile" ]; then
   done
   echo "== Gated DeltaNet rows (defaults)"
   KDA_BENCH_ONLY=chunk timeout 150 "$prof_bin" --bench 2>&1 | grep -E "BENCH chunk_fwd gdn "
+  exit "$status"
+fi
+
+# --rows: a kernel change's first run (~3 minutes): the delta-rule checks and racecheck on the
+# small case with the defaults, then the chunked forward rows once per KDA_LAB_KNOBS set
+# (';'-separated; an empty set is the defaults) and the forward + backward rows.
+if [ "$mode" = "--rows" ]; then
+  build_app kda_gpu_check
+  echo "== kda_gpu_check --check"
+  timeout 240 ./build-gpu-app/bin/kda_gpu_check --check >"$log_dir/rows_check.log" 2>&1
+  status=$?
+  grep -E "FAIL" "$log_dir/rows_check.log" | head -20
+  echo "checks: exit $status, $(grep -c "^CHECK.*PASS" "$log_dir/rows_check.log") pass"
+  echo "== racecheck --small"
+  timeout 120 compute-sanitizer --tool racecheck --error-exitcode 3 \
+    ./build-gpu-app/bin/kda_gpu_check --small >"$log_dir/rows_racecheck.log" 2>&1 || status=1
+  echo "racecheck: ($(grep -c "^CHECK.*PASS" "$log_dir/rows_racecheck.log") checks pass)"
+  grep -E "RACECHECK SUMMARY|Race reported" "$log_dir/rows_racecheck.log" | head -4
+  chunk_rows "${KDA_LAB_KNOBS:-}"
+  fwdbwd_rows ""
   exit "$status"
 fi
 

@@ -164,6 +164,14 @@ void launch_chunk_state(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t 
 // value head) pairs for about one per SM, else blocks of 4 warps (one tile).
 bool chunk_state_wide(int64_t num_seqs, int HV, int V);
 int64_t chunk_state_blocks(int64_t num_seqs, int HV, int V);
+// chunk_state_split.cu: the mma.sync walk with the output on warps of its own, off the state
+// chain (taken by launch_chunk_state on plain operands while chunk_state_split_buffers() > 0,
+// the W / U buffers (0 = not taken): for one-tile grids, and for chunk_state_wide's grids with
+// two tiles a block where chunk_state_split_wide(): they fit in one wave).
+int chunk_state_split_buffers();
+bool chunk_state_split_wide(int64_t num_seqs, int HV, int V);
+void launch_chunk_state_split(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs,
+                              int K, int V, bool wide, cudaStream_t stream);
 // chunk_state_wgmma.cu: the same walk on wgmma (sm_90a), one warpgroup per 64 state columns
 // (on compute capability 9 where the grid fills the chip twice; launch_chunk_state then takes
 // it; chunk_state_wide / chunk_state_blocks describe the mma.sync walk only, its grid is

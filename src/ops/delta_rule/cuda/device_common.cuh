@@ -204,6 +204,16 @@ __device__ __forceinline__ void load_b_kn(uint32_t b[4], const __nv_bfloat16* ba
   ldmatrix_x4_trans(b, base + r * ld + c);
 }
 
+// ---- named barriers (ids 1..15; __syncthreads is id 0) for warp-specialised blocks ----
+// bar.sync waits for `threads` arrivals (acquire and release); bar.arrive only counts this
+// warp's arrival (release): a producer signals, its consumers wait.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // ---- cp.async (16-byte global -> shared copies) ----
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem));
