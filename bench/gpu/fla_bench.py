@@ -9,6 +9,7 @@ side-by-side table (shape, ours ms, fla ms, ratio, % of floor).
 measured; fla's rows come in order of the issue's targets: forward, layer fwd+bwd, decode, then
 the plain fwd+bwd pairs, whose first call autotunes for minutes).
 --only-kda: the KDA chunked rows alone (no GDN, no decode; kda_gpu_check's KDA_BENCH_ONLY=kda).
+--only-gdn: fla's Gated DeltaNet forward rows alone.
 --flashkda: also time Moonshot's FlashKDA forward (`import flash_kda`, built beside the
 checkout; not part of this repository) on the KDA layer's inputs, as a second table against our
 chunk_fwd_kda_layer rows. --no-fla: skip fla (FlashKDA alone).
@@ -58,7 +59,7 @@ def _on_term(signum, frame):  # `timeout` sends SIGTERM: keep what was measured 
 DEADLINE = [float("inf")]  # time.time() past which no new op is timed (--budget)
 
 
-def time_fla(results, only_kda=False):
+def time_fla(results, only_kda=False, only_gdn=False):
     import torch
     import torch.nn.functional as F
     import triton
@@ -143,6 +144,13 @@ def time_fla(results, only_kda=False):
             gk = -(torch.rand(B, T, H, K, device=dev) * 0.99 + 0.01).to(bf)
             g = -(torch.rand(B, T, H, device=dev) * 0.99 + 0.01).to(bf)
             key = f"{B}x{T}"
+            if only_gdn:  # the Gated DeltaNet forward rows alone
+                results[("chunk_fwd_gdn", key)] = bench(
+                    lambda: chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True))
+                print(f"fla chunk {key}: gdn {fmt(results[('chunk_fwd_gdn', key)])} ms", flush=True)
+                del q, k, v, beta, g, gk
+                torch.cuda.empty_cache()
+                continue
             results[("chunk_fwd_kda", key)] = bench(
                 lambda: chunk_kda(q, k, v, gk, beta, output_final_state=True))
             # the KDA layer's anchor: in-kernel l2norm, gate (safe_gate, lower_bound -5) and
@@ -170,6 +178,8 @@ def time_fla(results, only_kda=False):
             del q, k, v, beta, g
             torch.cuda.empty_cache()
 
+    if only_gdn:
+        return results
     # forward + backward through autograd with the KDA layer's options (the target), then
     # decode, then the plain KDA and GDN pairs (fla's plain KDA backward autotunes for minutes)
     for B, T in CHUNK_SHAPES:
@@ -251,6 +261,7 @@ def main():
     ap.add_argument("--ours", required=True)
     ap.add_argument("--out")
     ap.add_argument("--only-kda", action="store_true")
+    ap.add_argument("--only-gdn", action="store_true")
     ap.add_argument("--flashkda", action="store_true")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--budget", type=float, default=0,
@@ -280,7 +291,7 @@ def main():
     try:
         if args.no_fla:
             raise ImportError("--no-fla")
-        time_fla(fla, args.only_kda)
+        time_fla(fla, args.only_kda, args.only_gdn)
         fla_note = "fla timed in this run"
     except OutOfTime:
         fla_note = "fla timed in this run (cut short by the time limit)"

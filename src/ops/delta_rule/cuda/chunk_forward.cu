@@ -83,7 +83,7 @@ int64_t pipeline_chunks(const ChunkPlan& plan, const DeltaRuleShape& s) {
           ? chunk_state_wgmma_blocks(plan.num_seqs, int(s.HV), int(s.V)) <= device_sm_count()
           : !chunk_state_wide(plan.num_seqs, int(s.HV), int(s.V)) &&
                 chunk_state_blocks(plan.num_seqs, int(s.HV), int(s.V)) <= device_sm_count() &&
-                chunk_state_split_buffers() == 0;
+                !chunk_state_split_on();
   if (!forced && !room) return 0;
   const int64_t* seq_nchunks = plan.tables.data() + 2 * plan.num_chunks + plan.num_seqs;
   const int64_t longest = *std::max_element(seq_nchunks, seq_nchunks + plan.num_seqs);
@@ -153,10 +153,10 @@ void chunk_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void* wo
   // one-tile blocks (one long sequence) the state walk lost more (2.57 against 2.21 ms at
   // 1 x 65536) than prepare gained (0.15 ms)
   // (the wgmma walk takes the raw path on every grid: not yet measured without it)
-  // (the split walk on wide grids, chunk_state_split_wide, reads plain operands)
-  ws.raw_qk = s.gate == Gate::scalar && (chunk_state_uses_wgmma(N, int(s.HV), int(s.K), int(s.V)) ||
-                                         (chunk_state_wide(N, int(s.HV), int(s.V)) &&
-                                          !chunk_state_split_wide(N, int(s.HV), int(s.V))));
+  // (the split walk, chunk_state_split.cu, takes q / k rows as well: raw on every grid it takes)
+  ws.raw_qk = s.gate == Gate::scalar &&
+              (chunk_state_uses_wgmma(N, int(s.HV), int(s.K), int(s.V)) ||
+               chunk_state_wide(N, int(s.HV), int(s.V)) || chunk_state_split_on());
   // Kernel-lab knob: KDA_GDN_RAW=0 keeps Qt / Kd in the workspace for Gated DeltaNet too.
   if (const char* raw = std::getenv("KDA_GDN_RAW")) ws.raw_qk = ws.raw_qk && raw[0] != '0';
   // On the wgmma walk the raw path also forms M there (prepare skips it). Kernel-lab knob:

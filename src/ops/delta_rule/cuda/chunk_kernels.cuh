@@ -165,10 +165,10 @@ void launch_chunk_state(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t 
 bool chunk_state_wide(int64_t num_seqs, int HV, int V);
 int64_t chunk_state_blocks(int64_t num_seqs, int HV, int V);
 // chunk_state_split.cu: the mma.sync walk with the output on warps of its own, off the state
-// chain (taken by launch_chunk_state on plain operands while chunk_state_split_buffers() > 0,
-// the W / U buffers (0 = not taken): for one-tile grids, and for chunk_state_wide's grids with
-// two tiles a block where chunk_state_split_wide(): they fit in one wave).
-int chunk_state_split_buffers();
+// chain (taken by launch_chunk_state while chunk_state_split_on(): for one-tile grids, and for
+// chunk_state_wide's grids with two tiles a block where chunk_state_split_wide(): they fit in
+// one wave).
+bool chunk_state_split_on();
 bool chunk_state_split_wide(int64_t num_seqs, int HV, int V);
 void launch_chunk_state_split(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs,
                               int K, int V, bool wide, cudaStream_t stream);

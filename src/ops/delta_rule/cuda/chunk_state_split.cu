@@ -10,9 +10,10 @@
 // S0 (bf16) and D pass between the roles in buffers of the chunk's parity: the chain fills
 // parity p and arrives at ready[p]; the output warps wait there, read, and arrive at done[p],
 // which the chain waits at before it fills p again two chunks later. Each role's own tiles come
-// by cp.async one chunk ahead (W and U too with kWuBuffers = 2; with 1, once D is formed, which
-// leaves room for a chunk_prepare block beside the walk). Plain (not raw q / k) operands only:
-// the raw Gated DeltaNet path is taken on full grids, where this kernel is not.
+// by cp.async one chunk ahead (double buffered).
+// Gated DeltaNet (ws.raw_qk, RAW), as in chunk_state.cu: the inputs' k rows replace Kd, with
+// Dk = 2^(G_C - G_j) D (the chain's own tile) in the state update and 2^G_C the decay; the q rows
+// replace Qt, P's rows scaled by scale 2^G_i; G (log2 cumsum) comes to each role with its tiles.
 #include <cstdlib>
 
 #include "ops/delta_rule/cuda/chunk_kernels.cuh"
@@ -27,31 +28,50 @@ constexpr int kRoleThreads = 128;
 // named barrier ids: within a role, and the parity-indexed hand-offs between the roles
 constexpr int kBarChain = 1, kBarOutput = 2, kBarReady = 3 /* 3, 4 */, kBarDone = 5 /* 5, 6 */;
 
-template <int K, int NT, int kWuBuffers>
+template <int K, int NT, bool RAW>
 struct SplitLayout {
   static constexpr int BC = NT * kStateTile;  // state columns per block
   static constexpr int LDK = K + 8, LDM = C + 8, LDS = BC + 8;
   static constexpr size_t bytes_k = size_t(C) * LDK * 2, bytes_m = size_t(C) * LDM * 2;
   static constexpr size_t bytes_d = size_t(C) * LDS * 2, bytes_s = size_t(K) * LDS * 2;
-  // the chain's: W, U (kWuBuffers each), Kd and exp(G_C) (two each)
+  static constexpr size_t bytes_g = 2 * size_t(K) * 4;  // exp(G_C) or G, two buffers
+  // the chain's: W, U, Kd (or k) and exp(G_C) (or G), two each; RAW: Dk
   static constexpr size_t off_w = 0;
-  static constexpr size_t off_u = off_w + kWuBuffers * bytes_k;
-  static constexpr size_t off_kd = off_u + kWuBuffers * bytes_d;
+  static constexpr size_t off_u = off_w + 2 * bytes_k;
+  static constexpr size_t off_kd = off_u + 2 * bytes_d;
   static constexpr size_t off_gc = off_kd + 2 * bytes_k;
+  static constexpr size_t off_dk = off_gc + bytes_g;
   // handed over, by parity: S0 (bf16) and D
-  static constexpr size_t off_s = off_gc + 2 * size_t(K) * 4;
+  static constexpr size_t off_s = off_dk + (RAW ? bytes_d : 0);
   static constexpr size_t off_d = off_s + 2 * bytes_s;
-  // the output warps': Qt and M (two each)
+  // the output warps': Qt (or q) and M, two each; RAW: G
   static constexpr size_t off_q = off_d + 2 * bytes_d;
   static constexpr size_t off_m = off_q + 2 * bytes_k;
-  static constexpr size_t total = off_m + 2 * bytes_m;
+  static constexpr size_t off_go = off_m + 2 * bytes_m;
+  static constexpr size_t total = off_go + (RAW ? bytes_g : 0);
 };
 
-template <int K, int V, int NT, int kWuBuffers>
+// RAW: a K-wide tile of q or k rows (token-major input, head h), zero past the chunk's length
+template <int K, int LDK>
+__device__ __forceinline__ void load_raw_rows(__nv_bfloat16* dst, const __nv_bfloat16* src,
+                                              const WalkedChunks& walk, int64_t chunk, int H, int h,
+                                              int tid) {
+  const int64_t tok0 = walk.tok0(chunk);
+  const int len = walk.len(chunk);
+  for (int idx = tid; idx < C * K / 8; idx += kRoleThreads) {
+    const int i = idx / (K / 8), c = (idx % (K / 8)) * 8;
+    if (i < len)
+      cp_async16(dst + i * LDK + c, src + (size_t(tok0 + i) * H + h) * K + c);
+    else
+      *reinterpret_cast<uint4*>(dst + i * LDK + c) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <int K, int V, int NT, bool RAW>
 __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWorkspace& ws,
                                            unsigned char* smem, const WalkedChunks& walk, int hv,
                                            int64_t n, int col0) {
-  using L = SplitLayout<K, NT, kWuBuffers>;
+  using L = SplitLayout<K, NT, RAW>;
   constexpr int BC = L::BC;
   constexpr int LDK = L::LDK, LDS = L::LDS;
   constexpr int MT = K / 64;  // 16-row state tiles per warp
@@ -61,9 +81,11 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
   float* sGc = reinterpret_cast<float*>(smem + L::off_gc);
   bf16* sS = reinterpret_cast<bf16*>(smem + L::off_s);
   bf16* sD = reinterpret_cast<bf16*>(smem + L::off_d);
+  bf16* sDk = reinterpret_cast<bf16*>(smem + L::off_dk);  // RAW only
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gr = lane >> 2, tq = lane & 3;
   const int mrow0 = warp * (K / 4);
+  const int h = hv / (x.HV / x.H);
 
   auto load_wu = [&](int64_t chunk, int buf) {
     const size_t base = (size_t(chunk) * x.HV + hv) * C;
@@ -81,9 +103,13 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
   auto load_kd = [&](int64_t chunk, int buf) {
     const size_t base = (size_t(chunk) * x.HV + hv) * C;
     bf16* kd = sKd + buf * C * LDK;
-    for (int idx = tid; idx < C * K / 8; idx += kRoleThreads) {
-      const int i = idx / (K / 8), c = (idx % (K / 8)) * 8;
-      cp_async16(kd + i * LDK + c, ws.Kd + (base + i) * K + c);
+    if constexpr (RAW) {
+      load_raw_rows<K, LDK>(kd, x.k, walk, chunk, x.H, h, tid);
+    } else {
+      for (int idx = tid; idx < C * K / 8; idx += kRoleThreads) {
+        const int i = idx / (K / 8), c = (idx % (K / 8)) * 8;
+        cp_async16(kd + i * LDK + c, ws.Kd + (base + i) * K + c);
+      }
     }
     const float* gsrc = ws.gC + (size_t(chunk) * x.HV + hv) * K;
     for (int idx = tid; idx < K / 4; idx += kRoleThreads)
@@ -113,7 +139,7 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
   cp_async_commit();
 
   for (int64_t ci = 0; ci < nchunks; ++ci) {
-    const int buf = int(ci & 1), wbuf = kWuBuffers == 2 ? buf : 0;
+    const int buf = int(ci & 1);
     const int64_t chunk = chunk0 + ci;
     // S0 and D of this parity are free once the output warps are done with chunk ci - 2
     if (ci >= 2) named_barrier_sync(kBarDone + buf, 2 * kRoleThreads);
@@ -137,13 +163,13 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
     named_barrier_sync(kBarChain, kRoleThreads);
     if (ci + 1 < nchunks) {
       load_kd(chunk + 1, buf ^ 1);
-      if constexpr (kWuBuffers == 2) load_wu(chunk + 1, buf ^ 1);
+      load_wu(chunk + 1, buf ^ 1);
     }
     cp_async_commit();
 
     // D = U - W S0 for chunk rows 16w..16w+15
     float accD[BC / 8][4] = {};
-    const bf16* w = sW + wbuf * C * LDK;
+    const bf16* w = sW + buf * C * LDK;
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
       uint32_t aw[4];
@@ -157,7 +183,13 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
       }
     }
     bf16* d = sD + buf * C * LDS;
-    const bf16* u = sU + wbuf * C * LDS;
+    const bf16* u = sU + buf * C * LDS;
+    const float* gc = sGc + buf * K;  // exp(G_C), or RAW: G
+    [[maybe_unused]] float dk_f[2] = {1.f, 1.f};
+    if constexpr (RAW) {  // Dk = 2^(G_C - G_r) D; rows past the end repeat G of the last token
+      dk_f[0] = fast_exp2(gc[C - 1] - gc[16 * warp + gr]);
+      dk_f[1] = fast_exp2(gc[C - 1] - gc[16 * warp + gr + 8]);
+    }
 #pragma unroll
     for (int nt = 0; nt < BC / 8; ++nt)
 #pragma unroll
@@ -166,24 +198,30 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
         const float2 uu = unpack_bf16(*reinterpret_cast<const uint32_t*>(u + r * LDS + c));
         const uint32_t dd = pack_bf16(uu.x - accD[nt][2 * half], uu.y - accD[nt][2 * half + 1]);
         *reinterpret_cast<uint32_t*>(d + r * LDS + c) = dd;
+        if constexpr (RAW) {
+          const float2 df = unpack_bf16(dd);
+          *reinterpret_cast<uint32_t*>(sDk + r * LDS + c) =
+              pack_bf16(df.x * dk_f[half], df.y * dk_f[half]);
+        }
         if (ws.D)  // backward
           *reinterpret_cast<uint32_t*>(ws.D + ((size_t(chunk) * x.HV + hv) * C + r) * V + col0 +
                                        c) = dd;
       }
     named_barrier_sync(kBarChain, kRoleThreads);  // D complete; W and U consumed
     named_barrier_arrive(kBarReady + buf, 2 * kRoleThreads);
-    if constexpr (kWuBuffers == 1) {
-      if (ci + 1 < nchunks) load_wu(chunk + 1, 0);
-      cp_async_commit();
-    }
 
-    // S = diag(exp(G_C)) S0 + Kd^T D
+    // S = diag(exp(G_C)) S0 + Kd^T D, or RAW: 2^G_C S0 + K^T Dk
     const bf16* kd = sKd + buf * C * LDK;
-    const float* gc = sGc + buf * K;
+    const bf16* dk = RAW ? sDk : d;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const int m0 = mrow0 + 16 * mt;
-      const float ga = gc[m0 + gr], gb = gc[m0 + gr + 8];
+      float ga, gb;
+      if constexpr (RAW) {
+        ga = gb = fast_exp2(gc[C - 1]);
+      } else {
+        ga = gc[m0 + gr], gb = gc[m0 + gr + 8];
+      }
 #pragma unroll
       for (int nt = 0; nt < BC / 8; ++nt) {
         S[mt][nt][0] *= ga, S[mt][nt][1] *= ga;
@@ -196,7 +234,7 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
 #pragma unroll
         for (int np = 0; np < BC / 16; ++np) {
           uint32_t b[4];
-          load_b_kn(b, d, LDS, 16 * J, 16 * np, lane);
+          load_b_kn(b, dk, LDS, 16 * J, 16 * np, lane);
           mma_bf16(S[mt][2 * np], a, b[0], b[1]);
           mma_bf16(S[mt][2 * np + 1], a, b[2], b[3]);
         }
@@ -221,27 +259,36 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
   }
 }
 
-template <int K, int V, int NT, int kWuBuffers>
+template <int K, int V, int NT, bool RAW>
 __device__ __forceinline__ void walk_output(const ChunkTokens& x, const ChunkWorkspace& ws,
                                             unsigned char* smem, const WalkedChunks& walk, int hv,
                                             int col0) {
-  using L = SplitLayout<K, NT, kWuBuffers>;
+  using L = SplitLayout<K, NT, RAW>;
   constexpr int BC = L::BC;
   constexpr int LDK = L::LDK, LDM = L::LDM, LDS = L::LDS;
   const bf16* sS = reinterpret_cast<const bf16*>(smem + L::off_s);
   const bf16* sD = reinterpret_cast<const bf16*>(smem + L::off_d);
   bf16* sQ = reinterpret_cast<bf16*>(smem + L::off_q);
   bf16* sM = reinterpret_cast<bf16*>(smem + L::off_m);
+  float* sG = reinterpret_cast<float*>(smem + L::off_go);  // RAW only
   const int tid = threadIdx.x - kRoleThreads, lane = tid & 31, warp = tid >> 5;
+  const int h = hv / (x.HV / x.H);
   const int gr = lane >> 2, tq = lane & 3;
   const bool with_o = x.o != nullptr;  // the backward's recompute needs no output
 
   auto load_qm = [&](int64_t chunk, int buf) {
     const size_t base = (size_t(chunk) * x.HV + hv) * C;
     bf16* q = sQ + buf * C * LDK;
-    for (int idx = tid; idx < C * K / 8; idx += kRoleThreads) {
-      const int i = idx / (K / 8), c = (idx % (K / 8)) * 8;
-      cp_async16(q + i * LDK + c, ws.Qt + (base + i) * K + c);
+    if constexpr (RAW) {
+      load_raw_rows<K, LDK>(q, x.q, walk, chunk, x.H, h, tid);
+      const float* gsrc = ws.gC + (size_t(chunk) * x.HV + hv) * K;
+      for (int idx = tid; idx < C / 4; idx += kRoleThreads)
+        cp_async16(sG + buf * K + idx * 4, gsrc + idx * 4);
+    } else {
+      for (int idx = tid; idx < C * K / 8; idx += kRoleThreads) {
+        const int i = idx / (K / 8), c = (idx % (K / 8)) * 8;
+        cp_async16(q + i * LDK + c, ws.Qt + (base + i) * K + c);
+      }
     }
     bf16* m = sM + buf * C * LDM;
     for (int idx = tid; idx < C * C / 8; idx += kRoleThreads) {
@@ -281,6 +328,16 @@ __device__ __forceinline__ void walk_output(const ChunkTokens& x, const ChunkWor
           mma_bf16(accP[2 * np + 1], aq, b[2], b[3]);
         }
       }
+      if constexpr (RAW) {  // P rows times scale 2^G_i
+        const float* g = sG + buf * K;
+        const float e0 = x.scale * fast_exp2(g[16 * warp + gr]);
+        const float e1 = x.scale * fast_exp2(g[16 * warp + gr + 8]);
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; ++nt) {
+          accP[nt][0] *= e0, accP[nt][1] *= e0;
+          accP[nt][2] *= e1, accP[nt][3] *= e1;
+        }
+      }
       // M is lower triangular: k-steps up to the warp's own block
       for (int J = 0; J <= warp; ++J) {
         uint32_t a[4];
@@ -312,25 +369,25 @@ __device__ __forceinline__ void walk_output(const ChunkTokens& x, const ChunkWor
   }
 }
 
-template <int K, int V, int NT, int kWuBuffers>
+template <int K, int V, int NT, bool RAW>
 __global__ void __launch_bounds__(2 * kRoleThreads, 1)
     chunk_state_split_kernel(const ChunkTokens x, const ChunkWorkspace ws) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int hv = blockIdx.y;
   const int64_t n = blockIdx.z;
-  const int col0 = blockIdx.x * SplitLayout<K, NT, kWuBuffers>::BC;
+  const int col0 = blockIdx.x * SplitLayout<K, NT, RAW>::BC;
   const WalkedChunks walk(ws, n);
   if (threadIdx.x < kRoleThreads)
-    walk_chain<K, V, NT, kWuBuffers>(x, ws, smem, walk, hv, n, col0);
+    walk_chain<K, V, NT, RAW>(x, ws, smem, walk, hv, n, col0);
   else
-    walk_output<K, V, NT, kWuBuffers>(x, ws, smem, walk, hv, col0);
+    walk_output<K, V, NT, RAW>(x, ws, smem, walk, hv, col0);
 }
 
-template <int K, int V, int NT, int kWuBuffers>
+template <int K, int V, int NT, bool RAW>
 void launch(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, cudaStream_t stream) {
-  using L = SplitLayout<K, NT, kWuBuffers>;
+  using L = SplitLayout<K, NT, RAW>;
   constexpr int BC = L::BC;
-  const auto kernel = chunk_state_split_kernel<K, V, NT, kWuBuffers>;
+  const auto kernel = chunk_state_split_kernel<K, V, NT, RAW>;
   static const bool configured = [&] {
     check_cuda(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::total)),
@@ -346,25 +403,24 @@ void launch(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, cu
   check_launch("chunk_state_split kernel");
 }
 
-template <int NT, int kWuBuffers>
+template <int NT, bool RAW>
 void launch_kv(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, int K, int V,
                cudaStream_t stream) {
-  if (K == 128 && V == 128) return launch<128, 128, NT, kWuBuffers>(x, ws, num_seqs, stream);
-  if (K == 128 && V == 64) return launch<128, 64, NT, kWuBuffers>(x, ws, num_seqs, stream);
-  if (K == 64 && V == 128) return launch<64, 128, NT, kWuBuffers>(x, ws, num_seqs, stream);
-  return launch<64, 64, NT, kWuBuffers>(x, ws, num_seqs, stream);
+  if (K == 128 && V == 128) return launch<128, 128, NT, RAW>(x, ws, num_seqs, stream);
+  if (K == 128 && V == 64) return launch<128, 64, NT, RAW>(x, ws, num_seqs, stream);
+  if (K == 64 && V == 128) return launch<64, 128, NT, RAW>(x, ws, num_seqs, stream);
+  return launch<64, 64, NT, RAW>(x, ws, num_seqs, stream);
 }
 
 }  // namespace
 
-int chunk_state_split_buffers() {
-  // Kernel-lab knob: KDA_STATE_SPLIT=0 keeps the one-role walk (chunk_state.cu), =1 / =2 W and U
-  // in one / two buffers (timing only until measured).
-  static const int buffers = [] {
+bool chunk_state_split_on() {
+  // Kernel-lab knob: KDA_STATE_SPLIT=0 keeps the one-role walk of chunk_state.cu (timing only).
+  static const bool on = [] {
     const char* knob = std::getenv("KDA_STATE_SPLIT");
-    return knob ? std::atoi(knob) : 2;
+    return !(knob && knob[0] == '0');
   }();
-  return buffers == 1 || buffers == 2 ? buffers : 0;
+  return on;
 }
 
 bool chunk_state_split_wide(int64_t num_seqs, int HV, int V) {
@@ -376,20 +432,18 @@ bool chunk_state_split_wide(int64_t num_seqs, int HV, int V) {
     const char* knob = std::getenv("KDA_STATE_SPLIT_WIDE");
     return !(knob && knob[0] == '0');
   }();
-  return allowed && chunk_state_split_buffers() > 0 &&
+  return allowed && chunk_state_split_on() &&
          num_seqs * HV * (V / (2 * kStateTile)) <= int64_t(device_sm_count());
 }
 
 void launch_chunk_state_split(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs,
                               int K, int V, bool wide, cudaStream_t stream) {
-  require(!ws.raw_qk, "chunk_state_split: plain operands only");
-  const bool one = chunk_state_split_buffers() == 1;
   if (wide)
-    one ? launch_kv<2, 1>(x, ws, num_seqs, K, V, stream)
-        : launch_kv<2, 2>(x, ws, num_seqs, K, V, stream);
+    ws.raw_qk ? launch_kv<2, true>(x, ws, num_seqs, K, V, stream)
+              : launch_kv<2, false>(x, ws, num_seqs, K, V, stream);
   else
-    one ? launch_kv<1, 1>(x, ws, num_seqs, K, V, stream)
-        : launch_kv<1, 2>(x, ws, num_seqs, K, V, stream);
+    ws.raw_qk ? launch_kv<1, true>(x, ws, num_seqs, K, V, stream)
+              : launch_kv<1, false>(x, ws, num_seqs, K, V, stream);
 }
 
 }  // namespace kda::ops::cuda_detail
