@@ -19,6 +19,7 @@
 #include <cstring>
 
 #include "ops/delta_rule/cuda/chunk_kernels.cuh"
+#include "ops/delta_rule/cuda/chunk_walk_mma.cuh"
 #include "ops/delta_rule/cuda/device_common.cuh"
 
 namespace kda::ops::cuda_detail {
@@ -82,15 +83,7 @@ __global__ void __launch_bounds__(128 * NT, 2)
 
   // RAW: a K-wide tile of q or k rows (token-major input), zero past the chunk's length
   auto load_raw = [&](bf16* dst, const bf16* src, int64_t chunk) {
-    const int64_t tok0 = chunk_tok0(chunk);
-    const int len = chunk_len(chunk);
-    for (int idx = tid; idx < C * K / 8; idx += kThreads) {
-      const int i = idx / (K / 8), c = (idx % (K / 8)) * 8;
-      if (i < len)
-        cp_async16(dst + i * LDK + c, src + (size_t(tok0 + i) * x.H + h) * K + c);
-      else
-        *reinterpret_cast<uint4*>(dst + i * LDK + c) = make_uint4(0, 0, 0, 0);
-    }
+    walk_mma::load_raw_rows<K, LDK, kThreads>(dst, src, walk, chunk, x.H, h, tid);
   };
   auto load_wqu = [&](int64_t chunk, int gbuf) {
     const size_t base = (size_t(chunk) * x.HV + hv) * C;
@@ -139,19 +132,7 @@ __global__ void __launch_bounds__(128 * NT, 2)
 
   float S[MT][BV / 8][4];
   const size_t state_off = (size_t(n) * x.HV + hv) * size_t(K) * V + col0 + cg;
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < BV / 8; ++nt) {
-      const int r = mrow0 + 16 * mt + gr, c = 8 * nt + 2 * tq;
-      if (x.h0) {
-        const float2 a = *reinterpret_cast<const float2*>(x.h0 + state_off + size_t(r) * V + c);
-        const float2 b = *reinterpret_cast<const float2*>(x.h0 + state_off + size_t(r + 8) * V + c);
-        S[mt][nt][0] = a.x, S[mt][nt][1] = a.y, S[mt][nt][2] = b.x, S[mt][nt][3] = b.y;
-      } else {
-        S[mt][nt][0] = S[mt][nt][1] = S[mt][nt][2] = S[mt][nt][3] = 0.f;
-      }
-    }
+  walk_mma::load_state_rows(S, x.h0 ? x.h0 + state_off : nullptr, V, mrow0, lane);
 
   if (nchunks > 0) {
     load_wqu(chunk0, 0);
@@ -296,49 +277,12 @@ __global__ void __launch_bounds__(128 * NT, 2)
     }
 
     // S = diag(exp(G_C)) S0 + Kd^T D
-    const bf16* kd = sKd + kbuf * C * LDK;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const int m0 = mrow0 + 16 * mt;
-      float ga, gb;
-      if constexpr (RAW) {
-        ga = gb = fast_exp2(gc[C - 1]);
-      } else {
-        ga = gc[m0 + gr], gb = gc[m0 + gr + 8];
-      }
-#pragma unroll
-      for (int nt = 0; nt < BV / 8; ++nt) {
-        S[mt][nt][0] *= ga, S[mt][nt][1] *= ga;
-        S[mt][nt][2] *= gb, S[mt][nt][3] *= gb;
-      }
-#pragma unroll
-      for (int J = 0; J < C / 16; ++J) {
-        uint32_t a[4];
-        load_a_trans(a, kd, LDK, m0, 16 * J, lane);
-#pragma unroll
-        for (int np = 0; np < BV / 16; ++np) {
-          uint32_t b[4];
-          load_b_kn(b, sDk, LDS, 16 * J, cg + 16 * np, lane);
-          mma_bf16(S[mt][2 * np], a, b[0], b[1]);
-          mma_bf16(S[mt][2 * np + 1], a, b[2], b[3]);
-        }
-      }
-    }
+    walk_mma::update_state<MT, BV / 8, LDK, LDS, RAW>(S, sKd + kbuf * C * LDK, sDk, cg, gc, mrow0,
+                                                      lane);
     __syncthreads();
   }
 
-  if (x.ht) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < BV / 8; ++nt) {
-        const int r = mrow0 + 16 * mt + gr, c = 8 * nt + 2 * tq;
-        *reinterpret_cast<float2*>(x.ht + state_off + size_t(r) * V + c) =
-            make_float2(S[mt][nt][0], S[mt][nt][1]);
-        *reinterpret_cast<float2*>(x.ht + state_off + size_t(r + 8) * V + c) =
-            make_float2(S[mt][nt][2], S[mt][nt][3]);
-      }
-  }
+  if (x.ht) walk_mma::store_state_rows(x.ht + state_off, S, V, mrow0, lane);
 }
 
 template <int K, int V, int NT, bool RAW>

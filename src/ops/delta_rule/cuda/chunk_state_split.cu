@@ -17,6 +17,7 @@
 #include <cstdlib>
 
 #include "ops/delta_rule/cuda/chunk_kernels.cuh"
+#include "ops/delta_rule/cuda/chunk_walk_mma.cuh"
 #include "ops/delta_rule/cuda/device_common.cuh"
 
 namespace kda::ops::cuda_detail {
@@ -50,22 +51,6 @@ struct SplitLayout {
   static constexpr size_t off_go = off_m + 2 * bytes_m;
   static constexpr size_t total = off_go + (RAW ? bytes_g : 0);
 };
-
-// RAW: a K-wide tile of q or k rows (token-major input, head h), zero past the chunk's length
-template <int K, int LDK>
-__device__ __forceinline__ void load_raw_rows(__nv_bfloat16* dst, const __nv_bfloat16* src,
-                                              const WalkedChunks& walk, int64_t chunk, int H, int h,
-                                              int tid) {
-  const int64_t tok0 = walk.tok0(chunk);
-  const int len = walk.len(chunk);
-  for (int idx = tid; idx < C * K / 8; idx += kRoleThreads) {
-    const int i = idx / (K / 8), c = (idx % (K / 8)) * 8;
-    if (i < len)
-      cp_async16(dst + i * LDK + c, src + (size_t(tok0 + i) * H + h) * K + c);
-    else
-      *reinterpret_cast<uint4*>(dst + i * LDK + c) = make_uint4(0, 0, 0, 0);
-  }
-}
 
 template <int K, int V, int NT, bool RAW>
 __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWorkspace& ws,
@@ -104,7 +89,7 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
     const size_t base = (size_t(chunk) * x.HV + hv) * C;
     bf16* kd = sKd + buf * C * LDK;
     if constexpr (RAW) {
-      load_raw_rows<K, LDK>(kd, x.k, walk, chunk, x.H, h, tid);
+      walk_mma::load_raw_rows<K, LDK, kRoleThreads>(kd, x.k, walk, chunk, x.H, h, tid);
     } else {
       for (int idx = tid; idx < C * K / 8; idx += kRoleThreads) {
         const int i = idx / (K / 8), c = (idx % (K / 8)) * 8;
@@ -118,18 +103,7 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
 
   float S[MT][BC / 8][4];
   const size_t state_off = (size_t(n) * x.HV + hv) * size_t(K) * V + col0;
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < BC / 8; ++nt) {
-      const int r = mrow0 + 16 * mt + gr, c = 8 * nt + 2 * tq;
-      float2 a = make_float2(0.f, 0.f), b = a;
-      if (x.h0) {
-        a = *reinterpret_cast<const float2*>(x.h0 + state_off + size_t(r) * V + c);
-        b = *reinterpret_cast<const float2*>(x.h0 + state_off + size_t(r + 8) * V + c);
-      }
-      S[mt][nt][0] = a.x, S[mt][nt][1] = a.y, S[mt][nt][2] = b.x, S[mt][nt][3] = b.y;
-    }
+  walk_mma::load_state_rows(S, x.h0 ? x.h0 + state_off : nullptr, V, mrow0, lane);
 
   const int64_t chunk0 = walk.first, nchunks = walk.count;
   if (nchunks > 0) {
@@ -211,52 +185,14 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
     named_barrier_arrive(kBarReady + buf, 2 * kRoleThreads);
 
     // S = diag(exp(G_C)) S0 + Kd^T D, or RAW: 2^G_C S0 + K^T Dk
-    const bf16* kd = sKd + buf * C * LDK;
-    const bf16* dk = RAW ? sDk : d;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const int m0 = mrow0 + 16 * mt;
-      float ga, gb;
-      if constexpr (RAW) {
-        ga = gb = fast_exp2(gc[C - 1]);
-      } else {
-        ga = gc[m0 + gr], gb = gc[m0 + gr + 8];
-      }
-#pragma unroll
-      for (int nt = 0; nt < BC / 8; ++nt) {
-        S[mt][nt][0] *= ga, S[mt][nt][1] *= ga;
-        S[mt][nt][2] *= gb, S[mt][nt][3] *= gb;
-      }
-#pragma unroll
-      for (int J = 0; J < C / 16; ++J) {
-        uint32_t a[4];
-        load_a_trans(a, kd, LDK, m0, 16 * J, lane);
-#pragma unroll
-        for (int np = 0; np < BC / 16; ++np) {
-          uint32_t b[4];
-          load_b_kn(b, dk, LDS, 16 * J, 16 * np, lane);
-          mma_bf16(S[mt][2 * np], a, b[0], b[1]);
-          mma_bf16(S[mt][2 * np + 1], a, b[2], b[3]);
-        }
-      }
-    }
+    walk_mma::update_state<MT, BC / 8, LDK, LDS, RAW>(S, sKd + buf * C * LDK, RAW ? sDk : d, 0, gc,
+                                                      mrow0, lane);
   }
   // the output warps' last two arrivals at done[]
   for (int64_t ci = nchunks >= 2 ? nchunks - 2 : 0; ci < nchunks; ++ci)
     named_barrier_sync(kBarDone + int(ci & 1), 2 * kRoleThreads);
 
-  if (x.ht) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < BC / 8; ++nt) {
-        const int r = mrow0 + 16 * mt + gr, c = 8 * nt + 2 * tq;
-        *reinterpret_cast<float2*>(x.ht + state_off + size_t(r) * V + c) =
-            make_float2(S[mt][nt][0], S[mt][nt][1]);
-        *reinterpret_cast<float2*>(x.ht + state_off + size_t(r + 8) * V + c) =
-            make_float2(S[mt][nt][2], S[mt][nt][3]);
-      }
-  }
+  if (x.ht) walk_mma::store_state_rows(x.ht + state_off, S, V, mrow0, lane);
 }
 
 template <int K, int V, int NT, bool RAW>
@@ -280,7 +216,7 @@ __device__ __forceinline__ void walk_output(const ChunkTokens& x, const ChunkWor
     const size_t base = (size_t(chunk) * x.HV + hv) * C;
     bf16* q = sQ + buf * C * LDK;
     if constexpr (RAW) {
-      load_raw_rows<K, LDK>(q, x.q, walk, chunk, x.H, h, tid);
+      walk_mma::load_raw_rows<K, LDK, kRoleThreads>(q, x.q, walk, chunk, x.H, h, tid);
       const float* gsrc = ws.gC + (size_t(chunk) * x.HV + hv) * K;
       for (int idx = tid; idx < C / 4; idx += kRoleThreads)
         cp_async16(sG + buf * K + idx * 4, gsrc + idx * 4);
