@@ -250,23 +250,29 @@ if [ "$mode" = "--profile" ]; then
   exit "$status"
 fi
 
-# --rows: a kernel change's first run (~3 minutes): the delta-rule checks and racecheck on the
-# small case with the defaults, then the chunked forward rows once per KDA_LAB_KNOBS set
-# (';'-separated; an empty set is the defaults) and the forward + backward rows.
+# --rows: a kernel change's first run (~4 minutes): the delta-rule checks with the defaults and
+# with each KDA_ROWS_CHECK_KNOBS set (';'-separated), the chunked forward rows once per
+# KDA_LAB_KNOBS set (an empty set is the defaults), the forward + backward rows, then racecheck
+# on the small case (last: a call cut short loses it first).
 if [ "$mode" = "--rows" ]; then
   build_app kda_gpu_check
-  echo "== kda_gpu_check --check"
-  timeout 240 ./build-gpu-app/bin/kda_gpu_check --check >"$log_dir/rows_check.log" 2>&1
-  status=$?
-  grep -E "FAIL" "$log_dir/rows_check.log" | head -20
-  echo "checks: exit $status, $(grep -c "^CHECK.*PASS" "$log_dir/rows_check.log") pass"
+  status=0
+  IFS=';' read -r -a check_knob_sets <<<";${KDA_ROWS_CHECK_KNOBS:-}"
+  for knobs in "${check_knob_sets[@]}"; do
+    echo "== kda_gpu_check --check with: ${knobs:-(defaults)}"
+    # shellcheck disable=SC2086
+    env $knobs timeout 240 ./build-gpu-app/bin/kda_gpu_check --check >"$log_dir/rows_check.log" 2>&1 ||
+      status=1
+    grep -E "FAIL" "$log_dir/rows_check.log" | head -20
+    echo "checks: $(grep -c "^CHECK.*PASS" "$log_dir/rows_check.log") pass"
+  done
+  chunk_rows "${KDA_LAB_KNOBS:-}"
+  fwdbwd_rows ""
   echo "== racecheck --small"
   timeout 120 compute-sanitizer --tool racecheck --error-exitcode 3 \
     ./build-gpu-app/bin/kda_gpu_check --small >"$log_dir/rows_racecheck.log" 2>&1 || status=1
   echo "racecheck: ($(grep -c "^CHECK.*PASS" "$log_dir/rows_racecheck.log") checks pass)"
   grep -E "RACECHECK SUMMARY|Race reported" "$log_dir/rows_racecheck.log" | head -4
-  chunk_rows "${KDA_LAB_KNOBS:-}"
-  fwdbwd_rows ""
   exit "$status"
 fi
 

@@ -153,10 +153,10 @@ void chunk_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void* wo
   // one-tile blocks (one long sequence) the state walk lost more (2.57 against 2.21 ms at
   // 1 x 65536) than prepare gained (0.15 ms)
   // (the wgmma walk takes the raw path on every grid: not yet measured without it)
-  // (the split walk, chunk_state_split.cu, takes q / k rows as well: raw on every grid it takes)
-  ws.raw_qk = s.gate == Gate::scalar &&
-              (chunk_state_uses_wgmma(N, int(s.HV), int(s.K), int(s.V)) ||
-               chunk_state_wide(N, int(s.HV), int(s.V)) || chunk_state_split_on());
+  // (the split walk, chunk_state_split.cu, reads plain operands: raw measured slower there)
+  ws.raw_qk = s.gate == Gate::scalar && (chunk_state_uses_wgmma(N, int(s.HV), int(s.K), int(s.V)) ||
+                                         (chunk_state_wide(N, int(s.HV), int(s.V)) &&
+                                          !chunk_state_split_wide(N, int(s.HV), int(s.V))));
   // Kernel-lab knob: KDA_GDN_RAW=0 keeps Qt / Kd in the workspace for Gated DeltaNet too.
   if (const char* raw = std::getenv("KDA_GDN_RAW")) ws.raw_qk = ws.raw_qk && raw[0] != '0';
   // On the wgmma walk the raw path also forms M there (prepare skips it). Kernel-lab knob:

@@ -11,9 +11,8 @@
 // parity p and arrives at ready[p]; the output warps wait there, read, and arrive at done[p],
 // which the chain waits at before it fills p again two chunks later. Each role's own tiles come
 // by cp.async one chunk ahead (double buffered).
-// Gated DeltaNet (ws.raw_qk, RAW), as in chunk_state.cu: the inputs' k rows replace Kd, with
-// Dk = 2^(G_C - G_j) D (the chain's own tile) in the state update and 2^G_C the decay; the q rows
-// replace Qt, P's rows scaled by scale 2^G_i; G (log2 cumsum) comes to each role with its tiles.
+// Plain operands only: Gated DeltaNet's raw q / k path (chunk_state.cu's RAW) measured slower
+// here (2 x 8192: 0.746 against 0.696 ms; the walk 2.28 against 2.0 ms at 1 x 65536).
 #include <cstdlib>
 
 #include "ops/delta_rule/cuda/chunk_kernels.cuh"
@@ -29,34 +28,31 @@ constexpr int kRoleThreads = 128;
 // named barrier ids: within a role, and the parity-indexed hand-offs between the roles
 constexpr int kBarChain = 1, kBarOutput = 2, kBarReady = 3 /* 3, 4 */, kBarDone = 5 /* 5, 6 */;
 
-template <int K, int NT, bool RAW>
+template <int K, int NT>
 struct SplitLayout {
   static constexpr int BC = NT * kStateTile;  // state columns per block
   static constexpr int LDK = K + 8, LDM = C + 8, LDS = BC + 8;
   static constexpr size_t bytes_k = size_t(C) * LDK * 2, bytes_m = size_t(C) * LDM * 2;
   static constexpr size_t bytes_d = size_t(C) * LDS * 2, bytes_s = size_t(K) * LDS * 2;
-  static constexpr size_t bytes_g = 2 * size_t(K) * 4;  // exp(G_C) or G, two buffers
-  // the chain's: W, U, Kd (or k) and exp(G_C) (or G), two each; RAW: Dk
+  // the chain's: W, U, Kd and exp(G_C), two each
   static constexpr size_t off_w = 0;
   static constexpr size_t off_u = off_w + 2 * bytes_k;
   static constexpr size_t off_kd = off_u + 2 * bytes_d;
   static constexpr size_t off_gc = off_kd + 2 * bytes_k;
-  static constexpr size_t off_dk = off_gc + bytes_g;
   // handed over, by parity: S0 (bf16) and D
-  static constexpr size_t off_s = off_dk + (RAW ? bytes_d : 0);
+  static constexpr size_t off_s = off_gc + 2 * size_t(K) * 4;
   static constexpr size_t off_d = off_s + 2 * bytes_s;
-  // the output warps': Qt (or q) and M, two each; RAW: G
+  // the output warps': Qt and M, two each
   static constexpr size_t off_q = off_d + 2 * bytes_d;
   static constexpr size_t off_m = off_q + 2 * bytes_k;
-  static constexpr size_t off_go = off_m + 2 * bytes_m;
-  static constexpr size_t total = off_go + (RAW ? bytes_g : 0);
+  static constexpr size_t total = off_m + 2 * bytes_m;
 };
 
-template <int K, int V, int NT, bool RAW>
+template <int K, int V, int NT>
 __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWorkspace& ws,
                                            unsigned char* smem, const WalkedChunks& walk, int hv,
                                            int64_t n, int col0) {
-  using L = SplitLayout<K, NT, RAW>;
+  using L = SplitLayout<K, NT>;
   constexpr int BC = L::BC;
   constexpr int LDK = L::LDK, LDS = L::LDS;
   constexpr int MT = K / 64;  // 16-row state tiles per warp
@@ -66,11 +62,9 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
   float* sGc = reinterpret_cast<float*>(smem + L::off_gc);
   bf16* sS = reinterpret_cast<bf16*>(smem + L::off_s);
   bf16* sD = reinterpret_cast<bf16*>(smem + L::off_d);
-  bf16* sDk = reinterpret_cast<bf16*>(smem + L::off_dk);  // RAW only
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gr = lane >> 2, tq = lane & 3;
   const int mrow0 = warp * (K / 4);
-  const int h = hv / (x.HV / x.H);
 
   auto load_wu = [&](int64_t chunk, int buf) {
     const size_t base = (size_t(chunk) * x.HV + hv) * C;
@@ -88,13 +82,9 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
   auto load_kd = [&](int64_t chunk, int buf) {
     const size_t base = (size_t(chunk) * x.HV + hv) * C;
     bf16* kd = sKd + buf * C * LDK;
-    if constexpr (RAW) {
-      walk_mma::load_raw_rows<K, LDK, kRoleThreads>(kd, x.k, walk, chunk, x.H, h, tid);
-    } else {
-      for (int idx = tid; idx < C * K / 8; idx += kRoleThreads) {
-        const int i = idx / (K / 8), c = (idx % (K / 8)) * 8;
-        cp_async16(kd + i * LDK + c, ws.Kd + (base + i) * K + c);
-      }
+    for (int idx = tid; idx < C * K / 8; idx += kRoleThreads) {
+      const int i = idx / (K / 8), c = (idx % (K / 8)) * 8;
+      cp_async16(kd + i * LDK + c, ws.Kd + (base + i) * K + c);
     }
     const float* gsrc = ws.gC + (size_t(chunk) * x.HV + hv) * K;
     for (int idx = tid; idx < K / 4; idx += kRoleThreads)
@@ -158,12 +148,7 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
     }
     bf16* d = sD + buf * C * LDS;
     const bf16* u = sU + buf * C * LDS;
-    const float* gc = sGc + buf * K;  // exp(G_C), or RAW: G
-    [[maybe_unused]] float dk_f[2] = {1.f, 1.f};
-    if constexpr (RAW) {  // Dk = 2^(G_C - G_r) D; rows past the end repeat G of the last token
-      dk_f[0] = fast_exp2(gc[C - 1] - gc[16 * warp + gr]);
-      dk_f[1] = fast_exp2(gc[C - 1] - gc[16 * warp + gr + 8]);
-    }
+    const float* gc = sGc + buf * K;  // exp(G_C)
 #pragma unroll
     for (int nt = 0; nt < BC / 8; ++nt)
 #pragma unroll
@@ -172,11 +157,6 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
         const float2 uu = unpack_bf16(*reinterpret_cast<const uint32_t*>(u + r * LDS + c));
         const uint32_t dd = pack_bf16(uu.x - accD[nt][2 * half], uu.y - accD[nt][2 * half + 1]);
         *reinterpret_cast<uint32_t*>(d + r * LDS + c) = dd;
-        if constexpr (RAW) {
-          const float2 df = unpack_bf16(dd);
-          *reinterpret_cast<uint32_t*>(sDk + r * LDS + c) =
-              pack_bf16(df.x * dk_f[half], df.y * dk_f[half]);
-        }
         if (ws.D)  // backward
           *reinterpret_cast<uint32_t*>(ws.D + ((size_t(chunk) * x.HV + hv) * C + r) * V + col0 +
                                        c) = dd;
@@ -184,9 +164,9 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
     named_barrier_sync(kBarChain, kRoleThreads);  // D complete; W and U consumed
     named_barrier_arrive(kBarReady + buf, 2 * kRoleThreads);
 
-    // S = diag(exp(G_C)) S0 + Kd^T D, or RAW: 2^G_C S0 + K^T Dk
-    walk_mma::update_state<MT, BC / 8, LDK, LDS, RAW>(S, sKd + buf * C * LDK, RAW ? sDk : d, 0, gc,
-                                                      mrow0, lane);
+    // S = diag(exp(G_C)) S0 + Kd^T D
+    walk_mma::update_state<MT, BC / 8, LDK, LDS, false>(S, sKd + buf * C * LDK, d, 0, gc, mrow0,
+                                                        lane);
   }
   // the output warps' last two arrivals at done[]
   for (int64_t ci = nchunks >= 2 ? nchunks - 2 : 0; ci < nchunks; ++ci)
@@ -195,36 +175,27 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
   if (x.ht) walk_mma::store_state_rows(x.ht + state_off, S, V, mrow0, lane);
 }
 
-template <int K, int V, int NT, bool RAW>
+template <int K, int V, int NT>
 __device__ __forceinline__ void walk_output(const ChunkTokens& x, const ChunkWorkspace& ws,
                                             unsigned char* smem, const WalkedChunks& walk, int hv,
                                             int col0) {
-  using L = SplitLayout<K, NT, RAW>;
+  using L = SplitLayout<K, NT>;
   constexpr int BC = L::BC;
   constexpr int LDK = L::LDK, LDM = L::LDM, LDS = L::LDS;
   const bf16* sS = reinterpret_cast<const bf16*>(smem + L::off_s);
   const bf16* sD = reinterpret_cast<const bf16*>(smem + L::off_d);
   bf16* sQ = reinterpret_cast<bf16*>(smem + L::off_q);
   bf16* sM = reinterpret_cast<bf16*>(smem + L::off_m);
-  float* sG = reinterpret_cast<float*>(smem + L::off_go);  // RAW only
   const int tid = threadIdx.x - kRoleThreads, lane = tid & 31, warp = tid >> 5;
-  const int h = hv / (x.HV / x.H);
   const int gr = lane >> 2, tq = lane & 3;
   const bool with_o = x.o != nullptr;  // the backward's recompute needs no output
 
   auto load_qm = [&](int64_t chunk, int buf) {
     const size_t base = (size_t(chunk) * x.HV + hv) * C;
     bf16* q = sQ + buf * C * LDK;
-    if constexpr (RAW) {
-      walk_mma::load_raw_rows<K, LDK, kRoleThreads>(q, x.q, walk, chunk, x.H, h, tid);
-      const float* gsrc = ws.gC + (size_t(chunk) * x.HV + hv) * K;
-      for (int idx = tid; idx < C / 4; idx += kRoleThreads)
-        cp_async16(sG + buf * K + idx * 4, gsrc + idx * 4);
-    } else {
-      for (int idx = tid; idx < C * K / 8; idx += kRoleThreads) {
-        const int i = idx / (K / 8), c = (idx % (K / 8)) * 8;
-        cp_async16(q + i * LDK + c, ws.Qt + (base + i) * K + c);
-      }
+    for (int idx = tid; idx < C * K / 8; idx += kRoleThreads) {
+      const int i = idx / (K / 8), c = (idx % (K / 8)) * 8;
+      cp_async16(q + i * LDK + c, ws.Qt + (base + i) * K + c);
     }
     bf16* m = sM + buf * C * LDM;
     for (int idx = tid; idx < C * C / 8; idx += kRoleThreads) {
@@ -264,16 +235,6 @@ __device__ __forceinline__ void walk_output(const ChunkTokens& x, const ChunkWor
           mma_bf16(accP[2 * np + 1], aq, b[2], b[3]);
         }
       }
-      if constexpr (RAW) {  // P rows times scale 2^G_i
-        const float* g = sG + buf * K;
-        const float e0 = x.scale * fast_exp2(g[16 * warp + gr]);
-        const float e1 = x.scale * fast_exp2(g[16 * warp + gr + 8]);
-#pragma unroll
-        for (int nt = 0; nt < BC / 8; ++nt) {
-          accP[nt][0] *= e0, accP[nt][1] *= e0;
-          accP[nt][2] *= e1, accP[nt][3] *= e1;
-        }
-      }
       // M is lower triangular: k-steps up to the warp's own block
       for (int J = 0; J <= warp; ++J) {
         uint32_t a[4];
@@ -305,25 +266,25 @@ __device__ __forceinline__ void walk_output(const ChunkTokens& x, const ChunkWor
   }
 }
 
-template <int K, int V, int NT, bool RAW>
+template <int K, int V, int NT>
 __global__ void __launch_bounds__(2 * kRoleThreads, 1)
     chunk_state_split_kernel(const ChunkTokens x, const ChunkWorkspace ws) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int hv = blockIdx.y;
   const int64_t n = blockIdx.z;
-  const int col0 = blockIdx.x * SplitLayout<K, NT, RAW>::BC;
+  const int col0 = blockIdx.x * SplitLayout<K, NT>::BC;
   const WalkedChunks walk(ws, n);
   if (threadIdx.x < kRoleThreads)
-    walk_chain<K, V, NT, RAW>(x, ws, smem, walk, hv, n, col0);
+    walk_chain<K, V, NT>(x, ws, smem, walk, hv, n, col0);
   else
-    walk_output<K, V, NT, RAW>(x, ws, smem, walk, hv, col0);
+    walk_output<K, V, NT>(x, ws, smem, walk, hv, col0);
 }
 
-template <int K, int V, int NT, bool RAW>
+template <int K, int V, int NT>
 void launch(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, cudaStream_t stream) {
-  using L = SplitLayout<K, NT, RAW>;
+  using L = SplitLayout<K, NT>;
   constexpr int BC = L::BC;
-  const auto kernel = chunk_state_split_kernel<K, V, NT, RAW>;
+  const auto kernel = chunk_state_split_kernel<K, V, NT>;
   static const bool configured = [&] {
     check_cuda(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::total)),
@@ -339,13 +300,13 @@ void launch(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, cu
   check_launch("chunk_state_split kernel");
 }
 
-template <int NT, bool RAW>
+template <int NT>
 void launch_kv(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, int K, int V,
                cudaStream_t stream) {
-  if (K == 128 && V == 128) return launch<128, 128, NT, RAW>(x, ws, num_seqs, stream);
-  if (K == 128 && V == 64) return launch<128, 64, NT, RAW>(x, ws, num_seqs, stream);
-  if (K == 64 && V == 128) return launch<64, 128, NT, RAW>(x, ws, num_seqs, stream);
-  return launch<64, 64, NT, RAW>(x, ws, num_seqs, stream);
+  if (K == 128 && V == 128) return launch<128, 128, NT>(x, ws, num_seqs, stream);
+  if (K == 128 && V == 64) return launch<128, 64, NT>(x, ws, num_seqs, stream);
+  if (K == 64 && V == 128) return launch<64, 128, NT>(x, ws, num_seqs, stream);
+  return launch<64, 64, NT>(x, ws, num_seqs, stream);
 }
 
 }  // namespace
@@ -374,12 +335,11 @@ bool chunk_state_split_wide(int64_t num_seqs, int HV, int V) {
 
 void launch_chunk_state_split(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs,
                               int K, int V, bool wide, cudaStream_t stream) {
+  require(!ws.raw_qk, "chunk_state_split: plain operands only");
   if (wide)
-    ws.raw_qk ? launch_kv<2, true>(x, ws, num_seqs, K, V, stream)
-              : launch_kv<2, false>(x, ws, num_seqs, K, V, stream);
+    launch_kv<2>(x, ws, num_seqs, K, V, stream);
   else
-    ws.raw_qk ? launch_kv<1, true>(x, ws, num_seqs, K, V, stream)
-              : launch_kv<1, false>(x, ws, num_seqs, K, V, stream);
+    launch_kv<1>(x, ws, num_seqs, K, V, stream);
 }
 
 }  // namespace kda::ops::cuda_detail
