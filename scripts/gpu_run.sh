@@ -106,6 +106,7 @@ time_peers() {
 bench_rows() {
   local knob_sets knobs
   IFS=';' read -r -a knob_sets <<<"$3"
+  [ ${#knob_sets[@]} -eq 0 ] && knob_sets=("")  # no knobs: the defaults once
   for knobs in "${knob_sets[@]}"; do
     echo "== $4 rows with: ${knobs:-(defaults)}"
     # shellcheck disable=SC2086
@@ -208,11 +209,13 @@ if [ "$mode" = "--profile" ]; then
   rm -f "$log_dir/configure_prof.log" "$log_dir/build_prof.log"
   echo "built in $(($(date +%s) - start)) s"
   prof_bin=./build-gpu-prof/bin/kda_gpu_check
-  for kind in gdn layer gdn_state; do
+  # KDA_PROFILE_KINDS picks the kernels (default: gdn layer gdn_state)
+  for kind in ${KDA_PROFILE_KINDS:-gdn layer gdn_state}; do
     # the first matching launch is the 8 x 2048 shape (KDA rows first, GDN after them)
     case $kind in
       gdn) only=chunk re='prepare_kernel<[^,]*1, [^,]*128, [^,]*128' ;;
       layer) only=kda re='prepare_kernel<[^,]*2, [^,]*128, [^,]*128, [^,]*(true|1)' ;;
+      kda_state) only=kda re='state_wgmma_kernel<[^,]*128, [^,]*128, [^,]*(false|0), [^,]*(false|0)' ;;
       *) only=chunk re='state_wgmma_kernel<[^,]*128, [^,]*128, [^,]*(true|1), [^,]*(true|1)' ;;
     esac
     echo "== ncu $kind (8 x 2048)"
@@ -226,7 +229,11 @@ if [ "$mode" = "--profile" ]; then
     ncu -i "/tmp/prep_$kind.ncu-rep" --page source --csv --print-source sass \
       >"$log_dir/ncu_${kind}_sass.csv" 2>&1
     python3 bench/gpu/ncu_hot_lines.py "$log_dir/ncu_${kind}_sass.csv" --top 8
+    # the same samples by CUDA source line (read beside the code afterwards)
+    ncu -i "/tmp/prep_$kind.ncu-rep" --page source --csv --print-source cuda \
+      >"$log_dir/ncu_${kind}_cuda.csv" 2>&1
   done
+  [ -n "${KDA_PROFILE_ONLY:-}" ] && exit 0  # the profiles alone
   # every delta-rule check with the defaults; where one fails, again with each of KDA_LAB_KNOBS
   # (';'-separated knob sets), to tell which change failed
   status=0

@@ -79,6 +79,25 @@ __device__ __forceinline__ void load_rows_sw128(unsigned char* dst, uint32_t col
                                                 int valid, int tid) {
   static_assert(kWidth % 64 == 0, "whole 64-column tiles");
   constexpr int kPerRow = kWidth / 8;
+  constexpr int kRowStep = kThreads / kPerRow;
+  if constexpr (kThreads % kPerRow == 0 && kRowStep % 8 == 0) {
+    // A thread keeps its 16-byte column and steps down by kRowStep rows, a multiple of the
+    // swizzle's 8-row period: its swizzled offset moves by whole rows, so each copy costs two
+    // adds instead of the index arithmetic below (session 22: ~30 % of the state walk's
+    // instructions were these addresses)
+    const int c = tid % kPerRow, r0 = tid / kPerRow;
+    unsigned char* d = dst + (c >> 3) * col_bytes + sw128_offset(r0, (c & 7) * 8);
+    const __nv_bfloat16* s = src + int64_t(r0) * stride + c * 8;
+    const int64_t step = int64_t(kRowStep) * stride;
+#pragma unroll 4
+    for (int r = r0; r < rows; r += kRowStep, d += kRowStep * 128, s += step) {
+      if (r < valid)
+        cp_async16(d, s);
+      else
+        *reinterpret_cast<uint4*>(d) = make_uint4(0u, 0u, 0u, 0u);
+    }
+    return;
+  }
   for (int idx = tid; idx < rows * kPerRow; idx += kThreads) {
     const int r = idx / kPerRow, c = idx % kPerRow;
     unsigned char* d = dst + (c >> 3) * col_bytes + sw128_offset(r, (c & 7) * 8);

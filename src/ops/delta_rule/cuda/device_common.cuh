@@ -145,11 +145,17 @@ __device__ __forceinline__ void mma_tf32(float c[4], const uint32_t a[4], uint32
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-// x = big + small, both tf32 (big the rounded value, small the rounded rest)
+// x = big + small, both tf32 (big the rounded value, small the rounded rest). Rounded by
+// integer arithmetic (add half an ulp of tf32's 10-bit mantissa, clear the 13 bits below it):
+// sm_90 has no f32 -> tf32 instruction, and cvt.rna.tf32.f32 became four instructions each
+// (with an infinity test our finite operands never need; an inf or NaN still comes out NaN or
+// inf).
+__device__ __forceinline__ uint32_t round_tf32(float x) {
+  return (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+}
 __device__ __forceinline__ void split_tf32(float x, uint32_t& big, uint32_t& small) {
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(big) : "f"(x));
-  const float rest = x - __uint_as_float(big);
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(small) : "f"(rest));
+  big = round_tf32(x);
+  small = round_tf32(x - __uint_as_float(big));
 }
 // c += A B with about fp32 precision (3xTF32: big*big + big*small + small*big; the dropped
 // small*small term is ~2^-22 relative) from fp32 fragments laid out as for mma_tf32
