@@ -11,7 +11,8 @@
 #   scripts/gpu_run.sh [--check-only | --bench-only | --no-fla | --model | --train | --lab |
 #                       --lab-rows | --rows | --flashkda | --profile]
 #
-# --flashkda: the KDA forward rows beside fla's and FlashKDA's only (a ~5-minute call).
+# --flashkda: the KDA forward rows beside fla's and FlashKDA's only (a ~5-minute call);
+#           KDA_PEER_ROWS=chunk adds the Gated DeltaNet rows, KDA_PEER_SECONDS the time budget.
 # --no-fla: everything but timing fla (a quicker call).
 # --model:  the model path (checks + benchmarks) and the delta-rule kernels' checks only; then
 #           the kda binary on the GPU (verify, run, and bench decode --device cuda).
@@ -98,7 +99,9 @@ time_peers() {
   [ "$left" -lt 60 ] && left=60
   PYTHONUNBUFFERED=1 timeout -k 15 "$left" python3 bench/gpu/fla_bench.py --ours "$log_dir/ours.tsv" \
     --out "$log_dir/table.md" --budget $((left > 90 ? left - 60 : 30)) "${args[@]}" 2>&1 |
-    grep -v "Warning\|warn(" | grep -v "^| decode_.*_\(tile\|head\) "
+    tee "$log_dir/fla.log" | grep -E "^(fla|FlashKDA|\|)" | grep -v "^| decode_.*_\(tile\|head\) "
+  # (only fla's result lines and the table: a Triton failure's reproducer dump, thousands of
+  # lines, pushed session 22's results out of the call's output tail; the whole log is in fla.log)
 }
 
 # kda_gpu_check --bench rows once per ';'-separated knob set ($3): KDA_BENCH_ONLY=$1, the lines
@@ -424,10 +427,16 @@ if command -v cuobjdump >/dev/null; then
 fi
 
 # --flashkda: the KDA forward rows alone beside fla and FlashKDA (a short call), whole table
+# (KDA_PEER_ROWS=chunk: the Gated DeltaNet rows and fla's too; KDA_PEER_SECONDS: the budget)
 if [ "$mode" = "--flashkda" ]; then
-  KDA_BENCH_ONLY=kda timeout 120 "$bin" --bench --out "$log_dir/ours.tsv" >"$log_dir/check_bench.log" 2>&1
+  KDA_BENCH_ONLY=${KDA_PEER_ROWS:-kda} timeout 120 "$bin" --bench --out "$log_dir/ours.tsv" \
+    >"$log_dir/check_bench.log" 2>&1
   grep "^BENCH" "$log_dir/check_bench.log"
-  time_peers 330 --only-kda
+  if [ "${KDA_PEER_ROWS:-kda}" = kda ]; then
+    time_peers "${KDA_PEER_SECONDS:-330}" --only-kda
+  else
+    time_peers "${KDA_PEER_SECONDS:-330}"
+  fi
   exit 0
 fi
 

@@ -68,24 +68,13 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
 
   auto load_wu = [&](int64_t chunk, int buf) {
     const size_t base = (size_t(chunk) * x.HV + hv) * C;
-    bf16* w = sW + buf * C * LDK;
-    for (int idx = tid; idx < C * K / 8; idx += kRoleThreads) {
-      const int i = idx / (K / 8), c = (idx % (K / 8)) * 8;
-      cp_async16(w + i * LDK + c, ws.W + (base + i) * K + c);
-    }
-    bf16* u = sU + buf * C * LDS;
-    for (int idx = tid; idx < C * BC / 8; idx += kRoleThreads) {
-      const int i = idx / (BC / 8), c = (idx % (BC / 8)) * 8;
-      cp_async16(u + i * LDS + c, ws.U + (base + i) * V + col0 + c);
-    }
+    walk_mma::copy_rows<K, LDK, kRoleThreads>(sW + buf * C * LDK, ws.W + base * K, K, C, tid);
+    walk_mma::copy_rows<BC, LDS, kRoleThreads>(sU + buf * C * LDS, ws.U + base * V + col0, V, C,
+                                               tid);
   };
   auto load_kd = [&](int64_t chunk, int buf) {
     const size_t base = (size_t(chunk) * x.HV + hv) * C;
-    bf16* kd = sKd + buf * C * LDK;
-    for (int idx = tid; idx < C * K / 8; idx += kRoleThreads) {
-      const int i = idx / (K / 8), c = (idx % (K / 8)) * 8;
-      cp_async16(kd + i * LDK + c, ws.Kd + (base + i) * K + c);
-    }
+    walk_mma::copy_rows<K, LDK, kRoleThreads>(sKd + buf * C * LDK, ws.Kd + base * K, K, C, tid);
     const float* gsrc = ws.gC + (size_t(chunk) * x.HV + hv) * K;
     for (int idx = tid; idx < K / 4; idx += kRoleThreads)
       cp_async16(sGc + buf * K + idx * 4, gsrc + idx * 4);
@@ -192,16 +181,8 @@ __device__ __forceinline__ void walk_output(const ChunkTokens& x, const ChunkWor
 
   auto load_qm = [&](int64_t chunk, int buf) {
     const size_t base = (size_t(chunk) * x.HV + hv) * C;
-    bf16* q = sQ + buf * C * LDK;
-    for (int idx = tid; idx < C * K / 8; idx += kRoleThreads) {
-      const int i = idx / (K / 8), c = (idx % (K / 8)) * 8;
-      cp_async16(q + i * LDK + c, ws.Qt + (base + i) * K + c);
-    }
-    bf16* m = sM + buf * C * LDM;
-    for (int idx = tid; idx < C * C / 8; idx += kRoleThreads) {
-      const int i = idx / (C / 8), c = (idx % (C / 8)) * 8;
-      cp_async16(m + i * LDM + c, ws.M + (base + i) * C + c);
-    }
+    walk_mma::copy_rows<K, LDK, kRoleThreads>(sQ + buf * C * LDK, ws.Qt + base * K, K, C, tid);
+    walk_mma::copy_rows<C, LDM, kRoleThreads>(sM + buf * C * LDM, ws.M + base * C, C, C, tid);
   };
 
   const int64_t chunk0 = walk.first, nchunks = walk.count;

@@ -84,21 +84,35 @@ __device__ __forceinline__ void update_state(float (&S)[MT][NB][4], const __nv_b
   }
 }
 
+// Rows [0, kChunk) of a W-wide bf16 tile (shared row stride LD) from global rows `stride`
+// elements apart, by cp.async with `threads` threads; rows >= len zero-filled. Each thread keeps
+// one 16-byte column and steps down threads / (W / 8) rows: two pointer adds an access where a
+// flat index loop spends ~10 instructions on its division and 64-bit products.
+template <int W, int LD, int threads>
+__device__ __forceinline__ void copy_rows(__nv_bfloat16* dst, const __nv_bfloat16* src,
+                                          int64_t stride, int len, int tid) {
+  constexpr int kPerRow = W / 8, kStep = threads / kPerRow;
+  static_assert(threads % kPerRow == 0 && kChunk % kStep == 0, "whole row steps");
+  const int c = (tid % kPerRow) * 8, i0 = tid / kPerRow;
+  __nv_bfloat16* d = dst + i0 * LD + c;
+  const __nv_bfloat16* g = src + i0 * stride + c;
+#pragma unroll
+  for (int i = i0; i < kChunk; i += kStep, d += kStep * LD, g += kStep * stride) {
+    if (i < len)
+      cp_async16(d, g);
+    else
+      *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
+  }
+}
+
 // RAW: a K-wide tile of q or k rows (token-major input, head h) by `threads` threads, zero past
 // the chunk's length.
 template <int K, int LDK, int threads>
 __device__ __forceinline__ void load_raw_rows(__nv_bfloat16* dst, const __nv_bfloat16* src,
                                               const WalkedChunks& walk, int64_t chunk, int H, int h,
                                               int tid) {
-  const int64_t tok0 = walk.tok0(chunk);
-  const int len = walk.len(chunk);
-  for (int idx = tid; idx < kChunk * K / 8; idx += threads) {
-    const int i = idx / (K / 8), c = (idx % (K / 8)) * 8;
-    if (i < len)
-      cp_async16(dst + i * LDK + c, src + (size_t(tok0 + i) * H + h) * K + c);
-    else
-      *reinterpret_cast<uint4*>(dst + i * LDK + c) = make_uint4(0, 0, 0, 0);
-  }
+  copy_rows<K, LDK, threads>(dst, src + (size_t(walk.tok0(chunk)) * H + h) * K, int64_t(H) * K,
+                             walk.len(chunk), tid);
 }
 
 }  // namespace kda::ops::cuda_detail::walk_mma
