@@ -68,26 +68,16 @@ struct PairMap {
 };
 
 // Rows [0, C) of a [C][W] bf16 tile between global memory (row stride `stride` elements) and
-// shared memory (row stride LD), 16 bytes a thread: each thread keeps one 16-byte column and
-// steps down kThreads / (W / 8) rows, so an access costs two pointer adds (the index arithmetic
-// a flat loop redoes per access was ~10 % of the Gated DeltaNet prepare's instructions).
+// shared memory (row stride LD), 16 bytes a thread, each thread down one 16-byte column
+// (copy_rows_async in device_common.cuh: the flat loops' index arithmetic was ~10 % of the Gated
+// DeltaNet prepare's instructions).
 template <int W, int LD>
 struct TileRows {
   static constexpr int kPerRow = W / 8, kStep = kThreads / kPerRow;
-  static_assert(kThreads % kPerRow == 0 && C % kStep == 0, "whole row steps");
   // cp.async of the rows < len (the rows past it zero-filled)
   __device__ __forceinline__ static void load(bf16* dst, const bf16* src, int64_t stride, int len,
                                               int tid) {
-    const int c = (tid % kPerRow) * 8, i0 = tid / kPerRow;
-    bf16* d = dst + i0 * LD + c;
-    const bf16* g = src + i0 * stride + c;
-#pragma unroll
-    for (int i = i0; i < C; i += kStep, d += kStep * LD, g += kStep * stride) {
-      if (i < len)
-        cp_async16(d, g);
-      else
-        *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
-    }
+    copy_rows_async<W, LD, kThreads, C>(dst, src, stride, len, tid);
   }
   // every row of the tile to contiguous global rows of W elements
   __device__ __forceinline__ static void store(bf16* dst, const bf16* src, int tid) {

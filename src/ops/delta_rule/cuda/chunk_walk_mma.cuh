@@ -84,25 +84,11 @@ __device__ __forceinline__ void update_state(float (&S)[MT][NB][4], const __nv_b
   }
 }
 
-// Rows [0, kChunk) of a W-wide bf16 tile (shared row stride LD) from global rows `stride`
-// elements apart, by cp.async with `threads` threads; rows >= len zero-filled. Each thread keeps
-// one 16-byte column and steps down threads / (W / 8) rows: two pointer adds an access where a
-// flat index loop spends ~10 instructions on its division and 64-bit products.
+// A chunk's rows of a W-wide tile (copy_rows_async, device_common.cuh).
 template <int W, int LD, int threads>
 __device__ __forceinline__ void copy_rows(__nv_bfloat16* dst, const __nv_bfloat16* src,
                                           int64_t stride, int len, int tid) {
-  constexpr int kPerRow = W / 8, kStep = threads / kPerRow;
-  static_assert(threads % kPerRow == 0 && kChunk % kStep == 0, "whole row steps");
-  const int c = (tid % kPerRow) * 8, i0 = tid / kPerRow;
-  __nv_bfloat16* d = dst + i0 * LD + c;
-  const __nv_bfloat16* g = src + i0 * stride + c;
-#pragma unroll
-  for (int i = i0; i < kChunk; i += kStep, d += kStep * LD, g += kStep * stride) {
-    if (i < len)
-      cp_async16(d, g);
-    else
-      *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
-  }
+  copy_rows_async<W, LD, threads, kChunk>(dst, src, stride, len, tid);
 }
 
 // RAW: a K-wide tile of q or k rows (token-major input, head h) by `threads` threads, zero past

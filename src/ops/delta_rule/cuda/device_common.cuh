@@ -232,4 +232,25 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Rows [0, kRows) of a W-wide bf16 tile (shared row stride LD) from global rows `stride`
+// elements apart, by cp.async with `threads` threads; rows >= len zero-filled. Each thread keeps
+// one 16-byte column and steps down threads / (W / 8) rows: two pointer adds a copy, where a
+// flat index loop spent ~10 instructions on its division and 64-bit products (session 22).
+template <int W, int LD, int threads, int kRows>
+__device__ __forceinline__ void copy_rows_async(__nv_bfloat16* dst, const __nv_bfloat16* src,
+                                                int64_t stride, int len, int tid) {
+  constexpr int kPerRow = W / 8, kStep = threads / kPerRow;
+  static_assert(threads % kPerRow == 0 && kRows % kStep == 0, "whole row steps");
+  const int c = (tid % kPerRow) * 8, i0 = tid / kPerRow;
+  __nv_bfloat16* d = dst + i0 * LD + c;
+  const __nv_bfloat16* g = src + i0 * stride + c;
+#pragma unroll
+  for (int i = i0; i < kRows; i += kStep, d += kStep * LD, g += kStep * stride) {
+    if (i < len)
+      cp_async16(d, g);
+    else
+      *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
+  }
+}
+
 }  // namespace kda::ops::cuda_detail
