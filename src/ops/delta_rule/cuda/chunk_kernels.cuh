@@ -50,9 +50,7 @@ struct ChunkWorkspace {
   int64_t num_seqs = 0;
   bool raw_qk = false;  // Gated DeltaNet forward: see the note above (Qt, Kd unused)
   // Gated DeltaNet forward on the wgmma walk (raw_qk too): chunk_state_wgmma forms M from the
-  // q, k tiles it holds anyway, so chunk_prepare neither computes nor writes M. Without raw_qk
-  // (the split walk's FORM_M, KDA_GDN_SPLIT_M=1): its output warps form M from q, k rows and
-  // scale P's rows by scale 2^G_i, so chunk_prepare writes Kd and G (in gC), not Qt nor M
+  // q, k tiles it holds anyway, so chunk_prepare neither computes nor writes M
   bool m_in_state = false;
   // Pipelined forward (chunk_forward.cu): when piece_begin >= 0, chunk_prepare covers and
   // chunk_state walks only the chunks [piece_begin, piece_end) of each sequence (indices within

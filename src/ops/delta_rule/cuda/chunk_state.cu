@@ -342,10 +342,10 @@ void launch_chunk_state(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t 
                         int V, cudaStream_t stream) {
   if (chunk_state_uses_wgmma(num_seqs, x.HV, K, V))
     return launch_chunk_state_wgmma(x, ws, num_seqs, K, V, stream);
+  require(!ws.m_in_state, "chunk_state: M formed in the walk needs the wgmma walk");
   if (const bool wide = chunk_state_wide(num_seqs, x.HV, V);
       !ws.raw_qk && chunk_state_split_on() && (!wide || chunk_state_split_wide(num_seqs, x.HV, V)))
     return launch_chunk_state_split(x, ws, num_seqs, K, V, wide, stream);
-  require(!ws.m_in_state, "chunk_state: M formed in the walk needs the wgmma or the split walk");
   if (ws.raw_qk)
     launch_kv<true>(x, ws, num_seqs, K, V, stream);
   else

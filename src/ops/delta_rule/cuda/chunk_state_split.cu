@@ -13,12 +13,6 @@
 // by cp.async one chunk ahead (double buffered).
 // Plain operands only: Gated DeltaNet's raw q / k path (chunk_state.cu's RAW) measured slower
 // here (2 x 8192: 0.746 against 0.696 ms; the walk 2.28 against 2.0 ms at 1 x 65536).
-// FORM_M (Gated DeltaNet, ws.m_in_state without raw_qk; the lab knob KDA_GDN_SPLIT_M=1, not
-// yet measured): the output warps read q and k rows and G instead of Qt and M, form their rows
-// of M = scale 2^(G_i - G_j) (Q K^T)_ij (j <= i) while the chain forms D, as register A
-// fragments of O += M D (so chunk_prepare skips M and Qt, and the walk loads no M), and scale
-// P = q S0's rows by scale 2^G_i; the chain is unchanged but for the decay (2^G_C from G). Off
-// the chain, it moves the prepare's M products and its Qt and M bytes to warps that wait anyway.
 #include <cstdlib>
 
 #include "ops/delta_rule/cuda/chunk_kernels.cuh"
@@ -34,13 +28,11 @@ constexpr int kRoleThreads = 128;
 // named barrier ids: within a role, and the parity-indexed hand-offs between the roles
 constexpr int kBarChain = 1, kBarOutput = 2, kBarReady = 3 /* 3, 4 */, kBarDone = 5 /* 5, 6 */;
 
-template <int K, int NT, bool FORM_M = false>
+template <int K, int NT>
 struct SplitLayout {
   static constexpr int BC = NT * kStateTile;  // state columns per block
   static constexpr int LDK = K + 8, LDM = C + 8, LDS = BC + 8;
-  static constexpr size_t bytes_k = size_t(C) * LDK * 2;
-  // FORM_M: the M buffers hold the k rows and G (C floats) instead
-  static constexpr size_t bytes_m = FORM_M ? bytes_k + size_t(C) * 4 : size_t(C) * LDM * 2;
+  static constexpr size_t bytes_k = size_t(C) * LDK * 2, bytes_m = size_t(C) * LDM * 2;
   static constexpr size_t bytes_d = size_t(C) * LDS * 2, bytes_s = size_t(K) * LDS * 2;
   // the chain's: W, U, Kd and exp(G_C), two each
   static constexpr size_t off_w = 0;
@@ -50,18 +42,17 @@ struct SplitLayout {
   // handed over, by parity: S0 (bf16) and D
   static constexpr size_t off_s = off_gc + 2 * size_t(K) * 4;
   static constexpr size_t off_d = off_s + 2 * bytes_s;
-  // the output warps': Qt and M (FORM_M: q rows, and k rows with G), two each
+  // the output warps': Qt and M, two each
   static constexpr size_t off_q = off_d + 2 * bytes_d;
   static constexpr size_t off_m = off_q + 2 * bytes_k;
   static constexpr size_t total = off_m + 2 * bytes_m;
-  static_assert(total <= 227 * 1024, "one block an SM: at most 227 KB of shared memory");
 };
 
-template <int K, int V, int NT, bool FORM_M>
+template <int K, int V, int NT>
 __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWorkspace& ws,
                                            unsigned char* smem, const WalkedChunks& walk, int hv,
                                            int64_t n, int col0) {
-  using L = SplitLayout<K, NT, FORM_M>;
+  using L = SplitLayout<K, NT>;
   constexpr int BC = L::BC;
   constexpr int LDK = L::LDK, LDS = L::LDS;
   constexpr int MT = K / 64;  // 16-row state tiles per warp
@@ -146,7 +137,7 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
     }
     bf16* d = sD + buf * C * LDS;
     const bf16* u = sU + buf * C * LDS;
-    const float* gc = sGc + buf * K;  // exp(G_C) (FORM_M: G of the chunk's rows)
+    const float* gc = sGc + buf * K;  // exp(G_C)
 #pragma unroll
     for (int nt = 0; nt < BC / 8; ++nt)
 #pragma unroll
@@ -162,9 +153,9 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
     named_barrier_sync(kBarChain, kRoleThreads);  // D complete; W and U consumed
     named_barrier_arrive(kBarReady + buf, 2 * kRoleThreads);
 
-    // S = diag(exp(G_C)) S0 + Kd^T D (FORM_M: the scalar decay 2^G_C from G of the last row)
-    walk_mma::update_state<MT, BC / 8, LDK, LDS, FORM_M>(S, sKd + buf * C * LDK, d, 0, gc, mrow0,
-                                                         lane);
+    // S = diag(exp(G_C)) S0 + Kd^T D
+    walk_mma::update_state<MT, BC / 8, LDK, LDS, false>(S, sKd + buf * C * LDK, d, 0, gc, mrow0,
+                                                        lane);
   }
   // the output warps' last two arrivals at done[]
   for (int64_t ci = nchunks >= 2 ? nchunks - 2 : 0; ci < nchunks; ++ci)
@@ -173,11 +164,11 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
   if (x.ht) walk_mma::store_state_rows(x.ht + state_off, S, V, mrow0, lane);
 }
 
-template <int K, int V, int NT, bool FORM_M>
+template <int K, int V, int NT>
 __device__ __forceinline__ void walk_output(const ChunkTokens& x, const ChunkWorkspace& ws,
                                             unsigned char* smem, const WalkedChunks& walk, int hv,
                                             int col0) {
-  using L = SplitLayout<K, NT, FORM_M>;
+  using L = SplitLayout<K, NT>;
   constexpr int BC = L::BC;
   constexpr int LDK = L::LDK, LDM = L::LDM, LDS = L::LDS;
   const bf16* sS = reinterpret_cast<const bf16*>(smem + L::off_s);
@@ -188,26 +179,10 @@ __device__ __forceinline__ void walk_output(const ChunkTokens& x, const ChunkWor
   const int gr = lane >> 2, tq = lane & 3;
   const bool with_o = x.o != nullptr;  // the backward's recompute needs no output
 
-  // FORM_M: the k rows of buffer b and G of its chunk's rows after them
-  auto k_rows = [&](int b) { return sM + b * (L::bytes_m / 2); };
-  auto g_rows = [&](int b) {
-    return reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(k_rows(b)) + L::bytes_k);
-  };
   auto load_qm = [&](int64_t chunk, int buf) {
-    if constexpr (FORM_M) {
-      const int h = hv / (x.HV / x.H);
-      walk_mma::load_raw_rows<K, LDK, kRoleThreads>(sQ + buf * C * LDK, x.q, walk, chunk, x.H, h,
-                                                    tid);
-      walk_mma::load_raw_rows<K, LDK, kRoleThreads>(k_rows(buf), x.k, walk, chunk, x.H, h, tid);
-      const float* gsrc = ws.gC + (size_t(chunk) * x.HV + hv) * K;
-      float* gdst = g_rows(buf);
-      for (int idx = tid; idx < C / 4; idx += kRoleThreads)
-        cp_async16(gdst + idx * 4, gsrc + idx * 4);
-    } else {
-      const size_t base = (size_t(chunk) * x.HV + hv) * C;
-      walk_mma::copy_rows<K, LDK, kRoleThreads>(sQ + buf * C * LDK, ws.Qt + base * K, K, C, tid);
-      walk_mma::copy_rows<C, LDM, kRoleThreads>(sM + buf * C * LDM, ws.M + base * C, C, C, tid);
-    }
+    const size_t base = (size_t(chunk) * x.HV + hv) * C;
+    walk_mma::copy_rows<K, LDK, kRoleThreads>(sQ + buf * C * LDK, ws.Qt + base * K, K, C, tid);
+    walk_mma::copy_rows<C, LDM, kRoleThreads>(sM + buf * C * LDM, ws.M + base * C, C, C, tid);
   };
 
   const int64_t chunk0 = walk.first, nchunks = walk.count;
@@ -221,55 +196,6 @@ __device__ __forceinline__ void walk_output(const ChunkTokens& x, const ChunkWor
     named_barrier_sync(kBarOutput, kRoleThreads);
     if (ci + 1 < nchunks && with_o) load_qm(chunk + 1, buf ^ 1);
     cp_async_commit();
-
-    // FORM_M: the warp's rows of M (16 w .. 16 w + 15, columns 16 J .. for J <= w) before the
-    // chain's S0 and D are needed, as register A fragments afm[J]; p_scale: P's row factors
-    [[maybe_unused]] uint32_t afm[FORM_M ? C / 16 : 1][4];
-    [[maybe_unused]] float p_scale[2] = {1.f, 1.f};
-    if constexpr (FORM_M) {
-      if (with_o) {
-        const bf16* q = sQ + buf * C * LDK;
-        const bf16* kr = k_rows(buf);
-        const float* gr_rows = g_rows(buf);
-        float gi[2];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          gi[half] = gr_rows[16 * warp + gr + 8 * half];
-          p_scale[half] = x.scale * fast_exp2(gi[half]);
-        }
-#pragma unroll
-        for (int J = 0; J < C / 16; ++J) {
-          if (J > warp) break;
-          float acc[2][4] = {};
-#pragma unroll
-          for (int kk = 0; kk < K / 16; ++kk) {
-            uint32_t a[4], b[4];
-            load_a(a, q, LDK, 16 * warp, 16 * kk, lane);
-            load_b_nk(b, kr, LDK, 16 * kk, 16 * J, lane);
-            mma_bf16(acc[0], a, b[0], b[1]);
-            mma_bf16(acc[1], a, b[2], b[3]);
-          }
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt) {
-            const int col = 16 * J + 8 * nt + 2 * tq;
-            const float gj0 = gr_rows[col], gj1 = gr_rows[col + 1];
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int row = 16 * warp + gr + 8 * half;
-              float& m0 = acc[nt][2 * half];
-              float& m1 = acc[nt][2 * half + 1];
-              m0 = col <= row ? x.scale * fast_exp2(gi[half] - gj0) * m0 : 0.f;
-              m1 = col + 1 <= row ? x.scale * fast_exp2(gi[half] - gj1) * m1 : 0.f;
-            }
-          }
-          // the m16n8 accumulators of columns 16 J .. + 7 and + 8 .. + 15 as an m16k16 A fragment
-          afm[J][0] = pack_bf16(acc[0][0], acc[0][1]);
-          afm[J][1] = pack_bf16(acc[0][2], acc[0][3]);
-          afm[J][2] = pack_bf16(acc[1][0], acc[1][1]);
-          afm[J][3] = pack_bf16(acc[1][2], acc[1][3]);
-        }
-      }
-    }
     named_barrier_sync(kBarReady + buf, 2 * kRoleThreads);  // S0 and D of this chunk
 
     float accP[BC / 8][4] = {};
@@ -277,7 +203,7 @@ __device__ __forceinline__ void walk_output(const ChunkTokens& x, const ChunkWor
       const bf16* s0 = sS + buf * K * LDS;
       const bf16* d = sD + buf * C * LDS;
       const bf16* q = sQ + buf * C * LDK;
-      [[maybe_unused]] const bf16* m = sM + buf * C * LDM;
+      const bf16* m = sM + buf * C * LDM;
 #pragma unroll
       for (int kk = 0; kk < K / 16; ++kk) {
         uint32_t aq[4];
@@ -290,23 +216,10 @@ __device__ __forceinline__ void walk_output(const ChunkTokens& x, const ChunkWor
           mma_bf16(accP[2 * np + 1], aq, b[2], b[3]);
         }
       }
-      if constexpr (FORM_M) {  // P's rows by scale 2^G_i (q is raw)
-#pragma unroll
-        for (int nt = 0; nt < BC / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) accP[nt][e] *= p_scale[e >> 1];
-      }
       // M is lower triangular: k-steps up to the warp's own block
-#pragma unroll
-      for (int J = 0; J < C / 16; ++J) {
-        if (J > warp) break;
+      for (int J = 0; J <= warp; ++J) {
         uint32_t a[4];
-        if constexpr (FORM_M) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) a[i] = afm[J][i];
-        } else {
-          load_a(a, m, LDM, 16 * warp, 16 * J, lane);
-        }
+        load_a(a, m, LDM, 16 * warp, 16 * J, lane);
 #pragma unroll
         for (int np = 0; np < BC / 16; ++np) {
           uint32_t b[4];
@@ -334,7 +247,7 @@ __device__ __forceinline__ void walk_output(const ChunkTokens& x, const ChunkWor
   }
 }
 
-template <int K, int V, int NT, bool FORM_M>
+template <int K, int V, int NT>
 __global__ void __launch_bounds__(2 * kRoleThreads, 1)
     chunk_state_split_kernel(const ChunkTokens x, const ChunkWorkspace ws) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -343,16 +256,16 @@ __global__ void __launch_bounds__(2 * kRoleThreads, 1)
   const int col0 = blockIdx.x * SplitLayout<K, NT>::BC;
   const WalkedChunks walk(ws, n);
   if (threadIdx.x < kRoleThreads)
-    walk_chain<K, V, NT, FORM_M>(x, ws, smem, walk, hv, n, col0);
+    walk_chain<K, V, NT>(x, ws, smem, walk, hv, n, col0);
   else
-    walk_output<K, V, NT, FORM_M>(x, ws, smem, walk, hv, col0);
+    walk_output<K, V, NT>(x, ws, smem, walk, hv, col0);
 }
 
-template <int K, int V, int NT, bool FORM_M>
+template <int K, int V, int NT>
 void launch(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, cudaStream_t stream) {
-  using L = SplitLayout<K, NT, FORM_M>;
+  using L = SplitLayout<K, NT>;
   constexpr int BC = L::BC;
-  const auto kernel = chunk_state_split_kernel<K, V, NT, FORM_M>;
+  const auto kernel = chunk_state_split_kernel<K, V, NT>;
   static const bool configured = [&] {
     check_cuda(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::total)),
@@ -368,13 +281,13 @@ void launch(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, cu
   check_launch("chunk_state_split kernel");
 }
 
-template <int NT, bool FORM_M>
+template <int NT>
 void launch_kv(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, int K, int V,
                cudaStream_t stream) {
-  if (K == 128 && V == 128) return launch<128, 128, NT, FORM_M>(x, ws, num_seqs, stream);
-  if (K == 128 && V == 64) return launch<128, 64, NT, FORM_M>(x, ws, num_seqs, stream);
-  if (K == 64 && V == 128) return launch<64, 128, NT, FORM_M>(x, ws, num_seqs, stream);
-  return launch<64, 64, NT, FORM_M>(x, ws, num_seqs, stream);
+  if (K == 128 && V == 128) return launch<128, 128, NT>(x, ws, num_seqs, stream);
+  if (K == 128 && V == 64) return launch<128, 64, NT>(x, ws, num_seqs, stream);
+  if (K == 64 && V == 128) return launch<64, 128, NT>(x, ws, num_seqs, stream);
+  return launch<64, 64, NT>(x, ws, num_seqs, stream);
 }
 
 }  // namespace
@@ -404,13 +317,10 @@ bool chunk_state_split_wide(int64_t num_seqs, int HV, int V) {
 void launch_chunk_state_split(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs,
                               int K, int V, bool wide, cudaStream_t stream) {
   require(!ws.raw_qk, "chunk_state_split: plain operands only");
-  if (ws.m_in_state)  // FORM_M (Gated DeltaNet: Kd from chunk_prepare, G in gC)
-    return wide ? launch_kv<2, true>(x, ws, num_seqs, K, V, stream)
-                : launch_kv<1, true>(x, ws, num_seqs, K, V, stream);
   if (wide)
-    launch_kv<2, false>(x, ws, num_seqs, K, V, stream);
+    launch_kv<2>(x, ws, num_seqs, K, V, stream);
   else
-    launch_kv<1, false>(x, ws, num_seqs, K, V, stream);
+    launch_kv<1>(x, ws, num_seqs, K, V, stream);
 }
 
 }  // namespace kda::ops::cuda_detail
