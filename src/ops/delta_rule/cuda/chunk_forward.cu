@@ -164,6 +164,15 @@ void chunk_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void* wo
   const char* state_m = std::getenv("KDA_GDN_STATE_M");
   ws.m_in_state = ws.raw_qk && chunk_state_uses_wgmma(N, int(s.HV), int(s.K), int(s.V)) &&
                   !(state_m && state_m[0] == '0');
+  // Kernel-lab knob (not yet measured): KDA_GDN_SPLIT_Q=1 lets the split walk's output warps read
+  // Gated DeltaNet's q rows and scale P themselves (chunk_state_split.cu's QROWS), so
+  // chunk_prepare does not write Qt.
+  if (const char* split_q = std::getenv("KDA_GDN_SPLIT_Q");
+      split_q && split_q[0] == '1' && s.gate == Gate::scalar && !ws.raw_qk &&
+      !chunk_state_uses_wgmma(N, int(s.HV), int(s.K), int(s.V)) && chunk_state_split_on()) {
+    const bool wide = chunk_state_wide(N, int(s.HV), int(s.V));
+    ws.qt_in_state = !wide || chunk_state_split_wide(N, int(s.HV), int(s.V));
+  }
 
   const ChunkTokens x = chunk_tokens(in, layer, o, ht);
   // Kernel-lab knob: KDA_CHUNK_STAGES=prepare|state runs one stage alone (for timing only;

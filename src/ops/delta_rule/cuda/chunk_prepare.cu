@@ -15,7 +15,8 @@
 // (kda_layer_math.cuh), and the q / k row norms from the loaded tiles, folded into phase 2's
 // scalings (one bf16 rounding, where fla rounds the normalised q / k first).
 // Gated DeltaNet forward (ws.raw_qk): Qt and Kd are not written; gC gets G (chunk_state reads
-// q, k itself).
+// q, k itself). With ws.qt_in_state (the split walk's QROWS, a lab knob): Kd and M are written,
+// Qt is not, and gC gets G.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -312,6 +313,16 @@ __global__ void __launch_bounds__(kThreads, 3)
     // ---- phase 2: Qt, Kd, exp(G_C) (workspace); the smem operands stay as loaded ----
     const float last = sGs[len - 1];
     if (ws.raw_qk) {  // Gated DeltaNet forward: chunk_state scales q, k itself; G for it
+      for (int c = tid; c < C; c += kThreads) gC[c] = sGs[c];
+    } else if (ws.qt_in_state) {  // the split walk scales the q rows itself: Kd and G only
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int i = row0 + r;
+        const float ed = fast_exp2(last - sGs[i]);
+        const float2 k2 = unpack_bf16(*reinterpret_cast<const uint32_t*>(sKs + i * LDK + c0));
+        *reinterpret_cast<uint32_t*>(ws.Kd + (row_base + i) * K + c0) =
+            pack_bf16(k2.x * ed, k2.y * ed);
+      }
       for (int c = tid; c < C; c += kThreads) gC[c] = sGs[c];
     } else {
 #pragma unroll

@@ -346,6 +346,7 @@ void launch_chunk_state(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t 
   if (const bool wide = chunk_state_wide(num_seqs, x.HV, V);
       !ws.raw_qk && chunk_state_split_on() && (!wide || chunk_state_split_wide(num_seqs, x.HV, V)))
     return launch_chunk_state_split(x, ws, num_seqs, K, V, wide, stream);
+  require(!ws.qt_in_state, "chunk_state: q rows scaled in the walk need the split walk");
   if (ws.raw_qk)
     launch_kv<true>(x, ws, num_seqs, K, V, stream);
   else

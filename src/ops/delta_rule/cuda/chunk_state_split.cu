@@ -12,7 +12,12 @@
 // which the chain waits at before it fills p again two chunks later. Each role's own tiles come
 // by cp.async one chunk ahead (double buffered).
 // Plain operands only: Gated DeltaNet's raw q / k path (chunk_state.cu's RAW) measured slower
-// here (2 x 8192: 0.746 against 0.696 ms; the walk 2.28 against 2.0 ms at 1 x 65536).
+// here (2 x 8192: 0.746 against 0.696 ms; the walk 2.28 against 2.0 ms at 1 x 65536), and so did
+// forming its M on the output warps (session 22: they became the bottleneck).
+// QROWS (Gated DeltaNet, ws.qt_in_state; the lab knob KDA_GDN_SPLIT_Q=1, not yet measured): the
+// output warps read the q rows and G instead of Qt and scale P = q S0's rows by scale 2^G_i (a
+// multiply an element, off the chain); the chain decays by 2^G_C from G. chunk_prepare then
+// writes no Qt.
 #include <cstdlib>
 
 #include "ops/delta_rule/cuda/chunk_kernels.cuh"
@@ -28,7 +33,7 @@ constexpr int kRoleThreads = 128;
 // named barrier ids: within a role, and the parity-indexed hand-offs between the roles
 constexpr int kBarChain = 1, kBarOutput = 2, kBarReady = 3 /* 3, 4 */, kBarDone = 5 /* 5, 6 */;
 
-template <int K, int NT>
+template <int K, int NT, bool QROWS = false>
 struct SplitLayout {
   static constexpr int BC = NT * kStateTile;  // state columns per block
   static constexpr int LDK = K + 8, LDM = C + 8, LDS = BC + 8;
@@ -45,14 +50,17 @@ struct SplitLayout {
   // the output warps': Qt and M, two each
   static constexpr size_t off_q = off_d + 2 * bytes_d;
   static constexpr size_t off_m = off_q + 2 * bytes_k;
-  static constexpr size_t total = off_m + 2 * bytes_m;
+  // QROWS: G of the chunk's rows, the output warps' own copy, two
+  static constexpr size_t off_gq = off_m + 2 * bytes_m;
+  static constexpr size_t total = off_gq + (QROWS ? 2 * size_t(C) * 4 : 0);
+  static_assert(total <= 227 * 1024, "one block an SM: at most 227 KB of shared memory");
 };
 
-template <int K, int V, int NT>
+template <int K, int V, int NT, bool QROWS>
 __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWorkspace& ws,
                                            unsigned char* smem, const WalkedChunks& walk, int hv,
                                            int64_t n, int col0) {
-  using L = SplitLayout<K, NT>;
+  using L = SplitLayout<K, NT, QROWS>;
   constexpr int BC = L::BC;
   constexpr int LDK = L::LDK, LDS = L::LDS;
   constexpr int MT = K / 64;  // 16-row state tiles per warp
@@ -137,7 +145,7 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
     }
     bf16* d = sD + buf * C * LDS;
     const bf16* u = sU + buf * C * LDS;
-    const float* gc = sGc + buf * K;  // exp(G_C)
+    const float* gc = sGc + buf * K;  // exp(G_C) (QROWS: G of the chunk's rows)
 #pragma unroll
     for (int nt = 0; nt < BC / 8; ++nt)
 #pragma unroll
@@ -153,8 +161,8 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
     named_barrier_sync(kBarChain, kRoleThreads);  // D complete; W and U consumed
     named_barrier_arrive(kBarReady + buf, 2 * kRoleThreads);
 
-    // S = diag(exp(G_C)) S0 + Kd^T D
-    walk_mma::update_state<MT, BC / 8, LDK, LDS, false>(S, sKd + buf * C * LDK, d, 0, gc, mrow0,
+    // S = diag(exp(G_C)) S0 + Kd^T D (QROWS: the scalar decay 2^G_C from G of the last row)
+    walk_mma::update_state<MT, BC / 8, LDK, LDS, QROWS>(S, sKd + buf * C * LDK, d, 0, gc, mrow0,
                                                         lane);
   }
   // the output warps' last two arrivals at done[]
@@ -164,24 +172,33 @@ __device__ __forceinline__ void walk_chain(const ChunkTokens& x, const ChunkWork
   if (x.ht) walk_mma::store_state_rows(x.ht + state_off, S, V, mrow0, lane);
 }
 
-template <int K, int V, int NT>
+template <int K, int V, int NT, bool QROWS>
 __device__ __forceinline__ void walk_output(const ChunkTokens& x, const ChunkWorkspace& ws,
                                             unsigned char* smem, const WalkedChunks& walk, int hv,
                                             int col0) {
-  using L = SplitLayout<K, NT>;
+  using L = SplitLayout<K, NT, QROWS>;
   constexpr int BC = L::BC;
   constexpr int LDK = L::LDK, LDM = L::LDM, LDS = L::LDS;
   const bf16* sS = reinterpret_cast<const bf16*>(smem + L::off_s);
   const bf16* sD = reinterpret_cast<const bf16*>(smem + L::off_d);
   bf16* sQ = reinterpret_cast<bf16*>(smem + L::off_q);
   bf16* sM = reinterpret_cast<bf16*>(smem + L::off_m);
+  [[maybe_unused]] float* sGq = reinterpret_cast<float*>(smem + L::off_gq);
   const int tid = threadIdx.x - kRoleThreads, lane = tid & 31, warp = tid >> 5;
   const int gr = lane >> 2, tq = lane & 3;
   const bool with_o = x.o != nullptr;  // the backward's recompute needs no output
 
   auto load_qm = [&](int64_t chunk, int buf) {
     const size_t base = (size_t(chunk) * x.HV + hv) * C;
-    walk_mma::copy_rows<K, LDK, kRoleThreads>(sQ + buf * C * LDK, ws.Qt + base * K, K, C, tid);
+    if constexpr (QROWS) {
+      walk_mma::load_raw_rows<K, LDK, kRoleThreads>(sQ + buf * C * LDK, x.q, walk, chunk, x.H,
+                                                    hv / (x.HV / x.H), tid);
+      const float* gsrc = ws.gC + (size_t(chunk) * x.HV + hv) * K;
+      for (int idx = tid; idx < C / 4; idx += kRoleThreads)
+        cp_async16(sGq + buf * C + idx * 4, gsrc + idx * 4);
+    } else {
+      walk_mma::copy_rows<K, LDK, kRoleThreads>(sQ + buf * C * LDK, ws.Qt + base * K, K, C, tid);
+    }
     walk_mma::copy_rows<C, LDM, kRoleThreads>(sM + buf * C * LDM, ws.M + base * C, C, C, tid);
   };
 
@@ -216,6 +233,17 @@ __device__ __forceinline__ void walk_output(const ChunkTokens& x, const ChunkWor
           mma_bf16(accP[2 * np + 1], aq, b[2], b[3]);
         }
       }
+      if constexpr (QROWS) {  // P's rows by scale 2^G_i (q as loaded)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float f = x.scale * fast_exp2(sGq[buf * C + 16 * warp + gr + 8 * half]);
+#pragma unroll
+          for (int nt = 0; nt < BC / 8; ++nt) {
+            accP[nt][2 * half] *= f;
+            accP[nt][2 * half + 1] *= f;
+          }
+        }
+      }
       // M is lower triangular: k-steps up to the warp's own block
       for (int J = 0; J <= warp; ++J) {
         uint32_t a[4];
@@ -247,7 +275,7 @@ __device__ __forceinline__ void walk_output(const ChunkTokens& x, const ChunkWor
   }
 }
 
-template <int K, int V, int NT>
+template <int K, int V, int NT, bool QROWS>
 __global__ void __launch_bounds__(2 * kRoleThreads, 1)
     chunk_state_split_kernel(const ChunkTokens x, const ChunkWorkspace ws) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -256,16 +284,16 @@ __global__ void __launch_bounds__(2 * kRoleThreads, 1)
   const int col0 = blockIdx.x * SplitLayout<K, NT>::BC;
   const WalkedChunks walk(ws, n);
   if (threadIdx.x < kRoleThreads)
-    walk_chain<K, V, NT>(x, ws, smem, walk, hv, n, col0);
+    walk_chain<K, V, NT, QROWS>(x, ws, smem, walk, hv, n, col0);
   else
-    walk_output<K, V, NT>(x, ws, smem, walk, hv, col0);
+    walk_output<K, V, NT, QROWS>(x, ws, smem, walk, hv, col0);
 }
 
-template <int K, int V, int NT>
+template <int K, int V, int NT, bool QROWS>
 void launch(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, cudaStream_t stream) {
-  using L = SplitLayout<K, NT>;
+  using L = SplitLayout<K, NT, QROWS>;
   constexpr int BC = L::BC;
-  const auto kernel = chunk_state_split_kernel<K, V, NT>;
+  const auto kernel = chunk_state_split_kernel<K, V, NT, QROWS>;
   static const bool configured = [&] {
     check_cuda(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(L::total)),
@@ -281,13 +309,13 @@ void launch(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, cu
   check_launch("chunk_state_split kernel");
 }
 
-template <int NT>
+template <int NT, bool QROWS>
 void launch_kv(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, int K, int V,
                cudaStream_t stream) {
-  if (K == 128 && V == 128) return launch<128, 128, NT>(x, ws, num_seqs, stream);
-  if (K == 128 && V == 64) return launch<128, 64, NT>(x, ws, num_seqs, stream);
-  if (K == 64 && V == 128) return launch<64, 128, NT>(x, ws, num_seqs, stream);
-  return launch<64, 64, NT>(x, ws, num_seqs, stream);
+  if (K == 128 && V == 128) return launch<128, 128, NT, QROWS>(x, ws, num_seqs, stream);
+  if (K == 128 && V == 64) return launch<128, 64, NT, QROWS>(x, ws, num_seqs, stream);
+  if (K == 64 && V == 128) return launch<64, 128, NT, QROWS>(x, ws, num_seqs, stream);
+  return launch<64, 64, NT, QROWS>(x, ws, num_seqs, stream);
 }
 
 }  // namespace
@@ -317,10 +345,13 @@ bool chunk_state_split_wide(int64_t num_seqs, int HV, int V) {
 void launch_chunk_state_split(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs,
                               int K, int V, bool wide, cudaStream_t stream) {
   require(!ws.raw_qk, "chunk_state_split: plain operands only");
+  if (ws.qt_in_state)  // QROWS (Gated DeltaNet: q rows, Kd and M from chunk_prepare, G in gC)
+    return wide ? launch_kv<2, true>(x, ws, num_seqs, K, V, stream)
+                : launch_kv<1, true>(x, ws, num_seqs, K, V, stream);
   if (wide)
-    launch_kv<2>(x, ws, num_seqs, K, V, stream);
+    launch_kv<2, false>(x, ws, num_seqs, K, V, stream);
   else
-    launch_kv<1>(x, ws, num_seqs, K, V, stream);
+    launch_kv<1, false>(x, ws, num_seqs, K, V, stream);
 }
 
 }  // namespace kda::ops::cuda_detail
