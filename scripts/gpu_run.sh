@@ -28,7 +28,7 @@
 #           KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1, the model checks (kda_gpu_model --check
 #           model) and racecheck --small. With KDA_LAB_TRAIN=1 also
 # --lab-rows: the experiments' timings only (the next call, ~3 minutes): the chunked rows with
-#           the wgmma walk unpipelined, without the GDN raw path, with GDN's M from chunk_prepare
+#           the wgmma walk forced, without the GDN raw path, with GDN's M from chunk_prepare
 #           (KDA_GDN_STATE_M=0), the state walk alone on both walks (KDA_LAB_ROW_KNOBS overrides),
 #           the KDA forward + backward rows on the mma.sync and the wgmma walks, and the decode
 #           rows without PDL, with it, and with the early state fetch.
@@ -132,7 +132,7 @@ if [ "$mode" = "--lab" ]; then
   grep -E "FAIL|NOTE" "$log_dir/lab_check.log" | head -20
   echo "checks: exit $status, $(grep -c "^CHECK.*PASS" "$log_dir/lab_check.log") pass"
   # the wgmma state walks (chunk_state_wgmma.cu, chunk_state_bwd_wgmma.cu): every check again
-  # with them in place of the mma.sync walks (forward, pipelined, backward and its recompute,
+  # with them in place of the mma.sync walks (forward, backward and its recompute,
   # trainer); forward checks failing point at the forward walk, backward ones with the
   # forward's passing at the reverse walk
   echo "== kda_gpu_check --check with KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1"
@@ -288,7 +288,7 @@ fi
 
 if [ "$mode" = "--lab-rows" ]; then
   build_app kda_gpu_check
-  chunk_rows "${KDA_LAB_ROW_KNOBS:-KDA_STATE_WGMMA=1 KDA_PIPELINE=0;KDA_STATE_WGMMA=1 KDA_GDN_RAW=0;KDA_STATE_WGMMA=1 KDA_GDN_STATE_M=0;KDA_CHUNK_STAGES=state;KDA_CHUNK_STAGES=state KDA_STATE_WGMMA=1}"
+  chunk_rows "${KDA_LAB_ROW_KNOBS:-KDA_STATE_WGMMA=1;KDA_STATE_WGMMA=1 KDA_GDN_RAW=0;KDA_STATE_WGMMA=1 KDA_GDN_STATE_M=0;KDA_CHUNK_STAGES=state;KDA_CHUNK_STAGES=state KDA_STATE_WGMMA=1}"
   fwdbwd_rows ";KDA_STATE_WGMMA=1 KDA_STATE_BWD_WGMMA=1"
   for knobs in "" "KDA_DECODE_OVERLAP=1" "KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1"; do
     echo "== decode rows with: ${knobs:-(defaults)}"

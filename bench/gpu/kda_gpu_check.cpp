@@ -9,7 +9,7 @@
 //   recurrence and against the chunked prefill, and single decode steps from random states in
 //   scrambled slots (B = 1, 16, 128), each with both decode kernels (tile, head). Relative RMS
 //   error ||x - ref|| / ||ref||.
-//   Also: two-tile chunk_state blocks (many heads), the pipelined forward (long sequences), and
+//   Also: two-tile chunk_state blocks (many heads), long sequences (the split walk), and
 //   the KDA layer's in-kernel options (l2norm, gate activation, sigmoid beta) against
 //   kda_reference, and their backward (raw q, k, v, graw, braw, A_log, dt_bias, h0) against the
 //   CPU fp32 KDA layer backward (kda_chunk_backward; tolerances 8e-3 dq, dk, dv, dh0, 2e-2 dg,
@@ -22,8 +22,8 @@
 // --decode: --check and --bench restricted to decode (its checks; the ceilings and decode rows).
 // --small: one small forward and backward case (for compute-sanitizer).
 // --profile: a few of each call, untimed, for a profiler (ncu, nsys): the KDA chunked forward,
-//   backward and training pair at KDA_PROFILE_SHAPE=BxT (default 8x2048; 1x65536 pipelines the
-//   forward), and a B = 16 decode step.
+//   backward and training pair at KDA_PROFILE_SHAPE=BxT (default 8x2048), and a B = 16 decode
+//   step.
 // --bench: copy bandwidth and cuBLAS bf16 GEMM ceilings, chunked forward (KDA, GDN; KDA also
 //   with the layer options) at H = 32, K = V = 128 for 8x2048, 2x8192, 1x65536, forward +
 //   backward on the same shapes (KDA also with the layer options; the training pair, and the
@@ -329,12 +329,9 @@ class ScopedEnv {
   bool had_ = false;
 };
 
-// The kernel-lab knobs a check runs under, for its name (" pipeline-forced", " state-nt=1"):
-// empty when none is set.
+// The kernel-lab knobs a check runs under, for its name (" state-nt=1"): empty when none is set.
 std::string knob_tags() {
   std::string tags;
-  const char* pipeline = std::getenv("KDA_PIPELINE");
-  if (pipeline && pipeline[0] == '2') tags += " pipeline-forced";
   if (const char* nt = std::getenv("KDA_STATE_NT")) tags += std::string(" state-nt=") + nt;
   return tags;
 }
@@ -366,8 +363,8 @@ void check_forward(Gate gate, int64_t B, int64_t T, int64_t H, int64_t HV, int64
 
 // Backward: GPU (bf16) against the CPU fp32 chunked backward on the same rounded inputs.
 // The training pair on the inputs of a backward check: chunk_forward_for_backward, then
-// chunk_backward from the arrays it kept. Its o and ht against chunk_forward's (which may
-// pipeline long sequences: held to 1e-3, the same bits otherwise), its gradients against the
+// chunk_backward from the arrays it kept. Its o and ht against chunk_forward's (held to 1e-3:
+// the walks the two take may differ, e.g. in their sums' order), its gradients against the
 // recompute path's `ref` (already run into the buffers of `ref_grads`): bit for bit, except the
 // atomic sums dA_log / ddt_bias (1e-5).
 void check_kept_forward(const std::string& name, const cuda::DeltaRuleDeviceInputs& d,
@@ -1172,15 +1169,14 @@ void run_checks() {
   // enough sequences x heads for chunk_state's two-tile blocks (NT = 2, the production path)
   check_forward(Gate::channel, 3, 130, 22, 44, 128, 128, {}, true, bf, false, ++seed);
   check_forward(Gate::scalar, 3, 130, 22, 44, 128, 128, {}, true, bf, false, ++seed);
-  // long sequences, state grid <= one block per SM: the pipelined forward (pieces of chunks),
-  // here with sequences of different lengths (one of 1 token) and an initial state
+  // long sequences, state grid <= one block per SM (the split walk), here with sequences of
+  // different lengths (one of 1 token) and an initial state
   for (Gate gate : {Gate::channel, Gate::scalar})
     check_forward(gate, 1, 4200, 2, 4, 128, 128, {0, 2100, 2101, 4200}, true, bf, false, ++seed);
-  // the pipeline forced onto batch grids (KDA_PIPELINE=2, 4 pieces of 4 chunks): two-tile state
-  // blocks (the Gated DeltaNet raw path among them), and one-tile blocks (KDA_STATE_NT=1);
-  // fixed seeds, so that the inputs of the checks below stay as they were
+  // batch grids of 16 chunks a sequence: two-tile state blocks (the Gated DeltaNet raw path
+  // among them), and one-tile blocks (KDA_STATE_NT=1); fixed seeds, so that the inputs of the
+  // checks below stay as they were
   {
-    ScopedEnv forced("KDA_PIPELINE", "2"), pieces("KDA_PIPELINE_PIECES", "4");
     for (Gate gate : {Gate::channel, Gate::scalar})
       check_forward(gate, 3, 1024, 11, 22, 128, 128, {}, true, bf, false, 907);
     ScopedEnv one_tile("KDA_STATE_NT", "1");
@@ -1201,7 +1197,7 @@ void run_checks() {
     check_kda_layer(2, 200, 2, 2, 128, 128, {}, true, true, sp, ++ws, true);
     check_kda_layer(1, 521, 2, 4, 128, 128, varlen, false, true, sp, ++ws, true);
     check_kda_layer(1, 300, 1, 2, 64, 64, {}, true, false, sp, ++ws, true);
-    check_kda_layer(1, 2047, 2, 2, 128, 128, {}, true, true, sp, ++ws, true);  // pipelined
+    check_kda_layer(1, 2047, 2, 2, 128, 128, {}, true, true, sp, ++ws, true);  // one long
     // the plain op (g given, no layer options): the exact kernel's other instantiation
     check_forward(Gate::channel, 2, 130, 2, 4, 128, 128, {}, true, ElementType::bf16, false, ++ws,
                   2);
@@ -1239,7 +1235,7 @@ void run_small() {
   check_decode(Gate::channel, 1, 2, 64, 64, ElementType::bf16, 12);
   // the decode head kernel (bulk copy, mbarrier, shared-memory reductions), grouped heads
   check_decode_step(Gate::channel, 3, 1, 2, 128, ElementType::bf16, cuda::DecodeKernel::head, 18);
-  // the pipelined forward (32 chunks: 8 pieces), KDA and the Gated DeltaNet raw q / k path
+  // one sequence of 32 chunks, KDA and Gated DeltaNet
   check_forward(Gate::channel, 1, 2048, 1, 1, 64, 64, {}, true, ElementType::bf16, false, 13);
   check_forward(Gate::scalar, 1, 2048, 1, 1, 64, 64, {}, true, ElementType::bf16, false, 14);
   // two-tile state blocks (2 x 30 heads x 2 >= 0.9 x 132 SMs): the Gated DeltaNet raw path
@@ -1318,8 +1314,7 @@ double decode_graph_step_ms(cuda::DecodeArgs a, const int32_t* slot_sets, int se
 // Two chunked forwards and backwards (KDA, 8 x 2048, H = 32) and two decode steps (B = 16),
 // for ncu.
 void run_profile() {
-  // KDA_PROFILE_SHAPE=BxT picks the chunked calls' batch and length (default 8x2048; 1x65536
-  // runs the pipelined forward, for a timeline of its two streams)
+  // KDA_PROFILE_SHAPE=BxT picks the chunked calls' batch and length (default 8x2048)
   int64_t B0 = 8, T0 = 2048;
   if (const char* shape = std::getenv("KDA_PROFILE_SHAPE")) {
     long long b = 0, t = 0;

@@ -96,15 +96,15 @@ __device__ __forceinline__ void load_rows_sw128(unsigned char* dst, uint32_t col
       else
         *reinterpret_cast<uint4*>(d) = make_uint4(0u, 0u, 0u, 0u);
     }
-    return;
-  }
-  for (int idx = tid; idx < rows * kPerRow; idx += kThreads) {
-    const int r = idx / kPerRow, c = idx % kPerRow;
-    unsigned char* d = dst + (c >> 3) * col_bytes + sw128_offset(r, (c & 7) * 8);
-    if (r < valid)
-      cp_async16(d, src + int64_t(r) * stride + c * 8);
-    else
-      *reinterpret_cast<uint4*>(d) = make_uint4(0u, 0u, 0u, 0u);
+  } else {
+    for (int idx = tid; idx < rows * kPerRow; idx += kThreads) {
+      const int r = idx / kPerRow, c = idx % kPerRow;
+      unsigned char* d = dst + (c >> 3) * col_bytes + sw128_offset(r, (c & 7) * 8);
+      if (r < valid)
+        cp_async16(d, src + int64_t(r) * stride + c * 8);
+      else
+        *reinterpret_cast<uint4*>(d) = make_uint4(0u, 0u, 0u, 0u);
+    }
   }
 }
 

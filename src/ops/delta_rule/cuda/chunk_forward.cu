@@ -2,10 +2,8 @@
 // queues chunk_prepare then chunk_state.
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <string>
 
 #include "core/error.h"
@@ -17,105 +15,6 @@
 namespace kda::ops::cuda {
 
 using namespace kda::ops::cuda_detail;
-
-namespace {
-
-// ---- pipelined forward: chunk_prepare of piece p + 1 beside chunk_state of piece p ----
-// chunk_state is a sequential walk; when its grid has at most one block per SM (one or two
-// long sequences), each SM still has room for a chunk_prepare block (74 KB of shared memory
-// beside <= 112 KB), so the sequences are cut into kPieces pieces of chunks: prepare runs one
-// piece ahead on a low-priority stream, state follows piece by piece on a high-priority one,
-// the state between pieces goes through a workspace buffer (`carry`). Fork and join through
-// events keep the whole call ordered on the caller's stream.
-constexpr int kPieces = 8, kMaxPieces = 16;
-
-// Kernel-lab knob: KDA_PIPELINE_PIECES=n (2..16) cuts the sequences into n pieces instead of 8
-// (timing only).
-int pipeline_pieces() {
-  if (const char* knob = std::getenv("KDA_PIPELINE_PIECES"))
-    return std::clamp(std::atoi(knob), 2, kMaxPieces);
-  return kPieces;
-}
-
-struct PipelineStreams {
-  cudaStream_t prepare = nullptr, state = nullptr;
-  cudaEvent_t fork = nullptr, join = nullptr, piece[kMaxPieces] = {};
-  std::mutex mutex;  // the streams and events are shared by the calls on this device
-};
-
-PipelineStreams& pipeline_streams() {
-  static PipelineStreams per_device[64];
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  require(device >= 0 && device < 64, "delta rule (cuda chunk): device index out of range");
-  PipelineStreams& p = per_device[device];
-  std::lock_guard<std::mutex> lock(p.mutex);
-  if (!p.prepare) {
-    int least = 0, greatest = 0;
-    check_cuda(cudaDeviceGetStreamPriorityRange(&least, &greatest), "stream priorities");
-    check_cuda(cudaStreamCreateWithPriority(&p.prepare, cudaStreamNonBlocking, least),
-               "pipeline stream");
-    check_cuda(cudaStreamCreateWithPriority(&p.state, cudaStreamNonBlocking, greatest),
-               "pipeline stream");
-    for (cudaEvent_t* e : {&p.fork, &p.join})
-      check_cuda(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "pipeline event");
-    for (cudaEvent_t& e : p.piece)
-      check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "pipeline event");
-  }
-  return p;
-}
-
-// The longest sequence's chunk count if the forward should be pipelined, else 0.
-int64_t pipeline_chunks(const ChunkPlan& plan, const DeltaRuleShape& s) {
-  // Kernel-lab knob: KDA_PIPELINE=0 turns it off, KDA_PIPELINE=2 pipelines whatever the state
-  // grid (timing only: e.g. one-tile state blocks on batches with KDA_STATE_NT=1).
-  const char* knob = std::getenv("KDA_PIPELINE");
-  if (knob && knob[0] == '0') return 0;
-  const bool forced = knob && knob[0] == '2';
-  // only for one-tile state blocks (at most one per SM): beside two-tile blocks (2 x 8192
-  // tokens: 128 blocks of 8 warps) the pipeline measured slower (1.036 against 0.925 ms). The
-  // wgmma state walk (one warpgroup, 106 KB) leaves room for a prepare block beside each of
-  // its blocks; pipelined when they fit in one wave (not yet measured against the plain order:
-  // KDA_PIPELINE=0 times that). The split walk (chunk_state_split.cu, 161 KB) leaves no room:
-  // at 1 x 65536 it measured 3.785 ms pipelined against 3.678 ms in order (2026-12-03).
-  const bool room =
-      chunk_state_uses_wgmma(plan.num_seqs, int(s.HV), int(s.K), int(s.V))
-          ? chunk_state_wgmma_blocks(plan.num_seqs, int(s.HV), int(s.V)) <= device_sm_count()
-          : !chunk_state_wide(plan.num_seqs, int(s.HV), int(s.V)) &&
-                chunk_state_blocks(plan.num_seqs, int(s.HV), int(s.V)) <= device_sm_count() &&
-                !chunk_state_split_on();
-  if (!forced && !room) return 0;
-  const int64_t* seq_nchunks = plan.tables.data() + 2 * plan.num_chunks + plan.num_seqs;
-  const int64_t longest = *std::max_element(seq_nchunks, seq_nchunks + plan.num_seqs);
-  return longest >= 4 * pipeline_pieces() ? longest : 0;  // pieces of >= 4 chunks
-}
-
-void pipelined_forward(const ChunkTokens& x, const ChunkWorkspace& ws, Gate gate, int64_t N, int K,
-                       int V, int64_t longest, float* carry, cudaStream_t stream) {
-  PipelineStreams& p = pipeline_streams();
-  std::lock_guard<std::mutex> lock(p.mutex);
-  check_cuda(cudaEventRecord(p.fork, stream), "pipeline fork");
-  check_cuda(cudaStreamWaitEvent(p.prepare, p.fork, 0), "pipeline fork");
-  check_cuda(cudaStreamWaitEvent(p.state, p.fork, 0), "pipeline fork");
-  const int pieces = pipeline_pieces();
-  const int64_t piece = (longest + pieces - 1) / pieces;
-  for (int i = 0; i < pieces; ++i) {
-    ChunkWorkspace wp = ws;
-    wp.piece_begin = i * piece;
-    wp.piece_end = (i + 1) * piece;
-    launch_chunk_prepare(x, wp, gate, K, V, p.prepare);
-    check_cuda(cudaEventRecord(p.piece[i], p.prepare), "pipeline piece");
-    check_cuda(cudaStreamWaitEvent(p.state, p.piece[i], 0), "pipeline piece");
-    ChunkTokens xp = x;
-    xp.h0 = i == 0 ? x.h0 : carry;  // the carry is read and written in place, tile by tile
-    xp.ht = i == pieces - 1 ? x.ht : carry;
-    launch_chunk_state(xp, wp, N, K, V, p.state);
-  }
-  check_cuda(cudaEventRecord(p.join, p.state), "pipeline join");
-  check_cuda(cudaStreamWaitEvent(stream, p.join, 0), "pipeline join");
-}
-
-}  // namespace
 
 size_t chunk_forward_workspace_bytes(const DeltaRuleShape& shape,
                                      std::span<const int64_t> cu_seqlens) {
@@ -181,10 +80,6 @@ void chunk_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void* wo
   const bool only_prepare = stages && std::strcmp(stages, "prepare") == 0;
   const bool only_state = stages && std::strcmp(stages, "state") == 0;
   const int K = int(s.K), V = int(s.V);
-  if (const int64_t longest = stages ? 0 : pipeline_chunks(plan, s)) {
-    float* carry = reinterpret_cast<float*>(static_cast<char*>(workspace) + plan.off_carry);
-    return pipelined_forward(x, ws, s.gate, N, K, V, longest, carry, stream);
-  }
   if (!only_state) launch_chunk_prepare(x, ws, s.gate, K, V, stream);
   if (!only_prepare) launch_chunk_state(x, ws, N, K, V, stream);
 }

@@ -47,7 +47,6 @@ struct ChunkWorkspace {
   __nv_bfloat16 *W, *Qt, *Kd, *U, *M;  // [num_chunks, HV, C, K|V|C]
   float* gC;                           // [num_chunks, HV, K]
   int64_t num_chunks;
-  int64_t num_seqs = 0;
   bool raw_qk = false;  // Gated DeltaNet forward: see the note above (Qt, Kd unused)
   // Gated DeltaNet forward on the wgmma walk (raw_qk too): chunk_state_wgmma forms M from the
   // q, k tiles it holds anyway, so chunk_prepare neither computes nor writes M
@@ -56,10 +55,6 @@ struct ChunkWorkspace {
   // the q rows and scale P's rows by scale 2^G_i themselves, so chunk_prepare writes Kd, M and G
   // (in gC, C floats) but not Qt
   bool qt_in_state = false;
-  // Pipelined forward (chunk_forward.cu): when piece_begin >= 0, chunk_prepare covers and
-  // chunk_state walks only the chunks [piece_begin, piece_end) of each sequence (indices within
-  // the sequence); otherwise every chunk.
-  int64_t piece_begin = -1, piece_end = 0;
   // KDA's wide-decay list (null for the scalar gate and for a gate bounded inside the split's
   // range, decay_within_split below): chunk_prepare appends chunk * HV + hv of every (chunk, value
   // head) where some channel decays by more than kWideDecayLog2 inside a 16-row block (its split of
@@ -79,10 +74,9 @@ struct ChunkWorkspace {
   __nv_bfloat16* D = nullptr;   // state: D = U - W S0, [num_chunks, HV, C, V]
 };
 
-// The chunks a state walk visits for sequence n: all of them, or (ws.piece_begin >= 0) those
-// of the pipelined forward's piece; each chunk's first token and length are computed from the
-// sequence's as chunk_plan lays them out (not loaded: a table load would put an L2 round trip
-// into every chunk's chain).
+// The chunks a state walk visits for sequence n: each chunk's first token and length are
+// computed from the sequence's as chunk_plan lays them out (not loaded: a table load would put
+// an L2 round trip into every chunk's chain).
 struct WalkedChunks {
   int64_t seq_chunk0, seq_bos, seq_len;
   int64_t first, count;  // chunks [first, first + count)
@@ -91,14 +85,7 @@ struct WalkedChunks {
         seq_bos(ws.seq_bos[n]),
         seq_len(ws.seq_len[n]),
         first(seq_chunk0),
-        count(ws.seq_nchunks[n]) {
-    if (ws.piece_begin >= 0) {
-      const int64_t b = ws.piece_begin < count ? ws.piece_begin : count;
-      const int64_t e = ws.piece_end < count ? ws.piece_end : count;
-      first += b;
-      count = e - b;
-    }
-  }
+        count(ws.seq_nchunks[n]) {}
   __device__ int64_t tok0(int64_t chunk) const { return seq_bos + (chunk - seq_chunk0) * kChunk; }
   __device__ int len(int64_t chunk) const {
     const int64_t left = seq_len - (chunk - seq_chunk0) * kChunk;
@@ -167,7 +154,6 @@ void launch_chunk_state(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t 
 // chunk_state's grid: blocks of 8 warps (two 32-column tiles) when there are enough (sequence,
 // value head) pairs for about one per SM, else blocks of 4 warps (one tile).
 bool chunk_state_wide(int64_t num_seqs, int HV, int V);
-int64_t chunk_state_blocks(int64_t num_seqs, int HV, int V);
 // chunk_state_split.cu: the mma.sync walk with the output on warps of its own, off the state
 // chain (taken by launch_chunk_state while chunk_state_split_on(): for one-tile grids, and for
 // chunk_state_wide's grids with two tiles a block where chunk_state_split_wide(): they fit in
@@ -178,10 +164,8 @@ void launch_chunk_state_split(const ChunkTokens& x, const ChunkWorkspace& ws, in
                               int K, int V, bool wide, cudaStream_t stream);
 // chunk_state_wgmma.cu: the same walk on wgmma (sm_90a), one warpgroup per 64 state columns
 // (on compute capability 9 where the grid fills the chip twice; launch_chunk_state then takes
-// it; chunk_state_wide / chunk_state_blocks describe the mma.sync walk only, its grid is
-// chunk_state_wgmma_blocks).
+// it; chunk_state_wide describes the mma.sync walks only).
 bool chunk_state_uses_wgmma(int64_t num_seqs, int HV, int K, int V);
-int64_t chunk_state_wgmma_blocks(int64_t num_seqs, int HV, int V);
 void launch_chunk_state_wgmma(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs,
                               int K, int V, cudaStream_t stream);
 void launch_chunk_state_bwd(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd,

@@ -80,7 +80,6 @@ ChunkPlan make_chunk_plan(const DeltaRuleShape& s, std::span<const int64_t> cu_s
   p.off_u = off, off = align_up(off + rows * s.V * 2);
   p.off_m = off, off = align_up(off + rows * kChunk * 2);
   p.off_gc = off, off = align_up(off + size_t(p.num_chunks) * s.HV * s.K * 4);
-  p.off_carry = off, off = align_up(off + size_t(p.num_seqs) * s.HV * s.K * s.V * 4);
   if (s.gate == Gate::channel) {
     require(uint64_t(p.num_chunks) * uint64_t(s.HV) < (uint64_t(1) << 32),
             "delta rule (cuda chunk): too many chunks x value heads");
@@ -135,7 +134,6 @@ ChunkWorkspace bind_chunk_workspace(const ChunkPlan& plan, void* workspace, cuda
     ws.wide_flag = reinterpret_cast<unsigned char*>(ws.wide_list + plan.wide_entries);
   }
   ws.num_chunks = NC;
-  ws.num_seqs = N;
   ws.X = bf(plan.off_x);
   ws.A = bf(plan.off_a);
   ws.S0 = bf(plan.off_s0);

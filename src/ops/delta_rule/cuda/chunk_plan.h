@@ -19,7 +19,6 @@ struct ChunkPlan {
   int64_t num_seqs = 0, num_chunks = 0, tokens = 0;
   size_t table_bytes = 0, total_bytes = 0;
   size_t off_w = 0, off_q = 0, off_kd = 0, off_u = 0, off_m = 0, off_gc = 0;
-  size_t off_carry = 0;      // fp32 [N, HV, K, V]: the state between pieces of a pipelined forward
   size_t off_wide = 0;       // Gate::channel: the wide-decay count, list and flags (ChunkWorkspace)
   int64_t wide_entries = 0;  // num_chunks * HV: the list's and the flags' length
   // backward only (zero when planned for the forward)

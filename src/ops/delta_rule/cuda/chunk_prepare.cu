@@ -127,12 +127,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   static_assert(1024 + 2 * C <= C * LDL, "norms live in L's region");
   static_assert(kThreads / (K / 2) * K <= 1024, "segment totals below the norms");
 
-  int64_t chunk = blockIdx.x;
-  if (ws.piece_begin >= 0) {  // pipelined: chunk piece_begin + x of sequence z
-    const int64_t n = blockIdx.z, rel = ws.piece_begin + blockIdx.x;
-    if (rel >= ws.seq_nchunks[n]) return;
-    chunk = ws.seq_chunk0[n] + rel;
-  }
+  const int64_t chunk = blockIdx.x;
   const int hv = blockIdx.y;
   const int h = hv / (x.HV / x.H);
   const int64_t tok0 = ws.chunk_tok0[chunk];
@@ -555,10 +550,7 @@ void launch(const ChunkTokens& x, const ChunkWorkspace& ws, cudaStream_t stream)
     return true;
   }();
   (void)configured;
-  // pipelined (ws.piece_begin >= 0): the piece's chunks of every sequence
-  const dim3 grid = ws.piece_begin >= 0 ? dim3(unsigned(ws.piece_end - ws.piece_begin),
-                                               unsigned(x.HV), unsigned(ws.num_seqs))
-                                        : dim3(unsigned(ws.num_chunks), unsigned(x.HV));
+  const dim3 grid(unsigned(ws.num_chunks), unsigned(x.HV));
   kernel<<<grid, kThreads, L::total, stream>>>(x, ws);
   check_launch("chunk_prepare kernel");
 }
@@ -587,7 +579,7 @@ void launch_for_gate(const ChunkTokens& x, const ChunkWorkspace& ws, Gate gate, 
   }
 }
 
-// Diagnostic knob KDA_REPORT_WIDE=1: after every unpipelined chunk_prepare that lists, wait for
+// Diagnostic knob KDA_REPORT_WIDE=1: after every chunk_prepare that lists, wait for
 // it and count the listed (chunk, value head) pairs; every 200 such calls one line on stderr
 // with the share listed since the last line (how much of a training run takes the exact
 // kernels; the wait makes the run slower, so time nothing with it)
@@ -596,7 +588,7 @@ void report_wide(const ChunkWorkspace& ws, int HV, cudaStream_t stream) {
     const char* knob = std::getenv("KDA_REPORT_WIDE");
     return knob && knob[0] == '1';
   }();
-  if (!on || ws.piece_begin >= 0) return;
+  if (!on) return;
   static std::mutex mutex;
   static int64_t calls = 0, listed = 0, pairs = 0;
   unsigned count = 0;

@@ -1,6 +1,6 @@
 // chunk_state: the sequential part of the chunked forward. One group of 4 warps per (sequence,
 // value head, 32-column tile of the state) walks the sequence's chunks (a block holds NT = 1
-// or 2 groups; with ws.piece_begin >= 0 only the piece's chunks, for the pipelined forward):
+// or 2 groups):
 //   D = U - W S0          (warp w: chunk rows 16w..16w+15)
 //   O = Qt S0 + M D       (same rows; written as bf16)
 //   S = diag(exp(G_C)) S0 + Kd^T D   (warp w: state rows w*K/4 .. +K/4, fp32 in registers)
@@ -332,10 +332,6 @@ bool chunk_state_wide(int64_t num_seqs, int HV, int V) {
   // Kernel-lab knob: KDA_STATE_NT=1|2 forces the choice (timing only).
   if (const char* nt = std::getenv("KDA_STATE_NT")) return std::strcmp(nt, "2") == 0;
   return num_seqs * HV * (V / (2 * BV)) * 10 >= int64_t(device_sm_count()) * 9;
-}
-
-int64_t chunk_state_blocks(int64_t num_seqs, int HV, int V) {
-  return num_seqs * HV * (V / (chunk_state_wide(num_seqs, HV, V) ? 2 * BV : BV));
 }
 
 void launch_chunk_state(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs, int K,

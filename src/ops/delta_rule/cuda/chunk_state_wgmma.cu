@@ -15,8 +15,7 @@
 // S0^T and D^T share one region (S0^T is dead once W S0 and Qt S0 are done).
 // Buffering: M and Kd (with exp(G_C)) double-buffered a chunk ahead; W, Qt and U refilled for the
 // next chunk as soon as this chunk's D is formed. 106 KB of shared memory at K = V = 128, so two
-// warpgroups share an SM, and one state block leaves room for a chunk_prepare block beside it
-// (the pipelined forward).
+// warpgroups share an SM.
 // Gated DeltaNet (ws.raw_qk, RAW): Q and K are the inputs' q, k rows and G replaces exp(G_C), as in
 // chunk_state.cu: P rows scaled by scale 2^G_i, the state update against Dk = 2^(G_C - G_j) D.
 // With ws.m_in_state (FORM_M, RAW only) M = scale 2^(G_i - G_j) (Q K^T)_ij (j <= i) is formed here,
@@ -348,11 +347,7 @@ bool chunk_state_uses_wgmma(int64_t num_seqs, int HV, int K, int V) {
   // 512 blocks, state 0.347 -> 0.300 ms) and loses where a few blocks each walk a long chain
   // (2 x 8192: 128 blocks, 0.418 -> 0.442 ms; 1 x 65536: 64 blocks, 2.23 -> 3.19 ms): its
   // chunk step is longer than the mma.sync walk's (2026-12-02, H200).
-  return chunk_state_wgmma_blocks(num_seqs, HV, V) >= 2 * int64_t(device_sm_count());
-}
-
-int64_t chunk_state_wgmma_blocks(int64_t num_seqs, int HV, int V) {
-  return num_seqs * HV * (V / kCols);
+  return num_seqs * HV * (V / kCols) >= 2 * int64_t(device_sm_count());
 }
 
 void launch_chunk_state_wgmma(const ChunkTokens& x, const ChunkWorkspace& ws, int64_t num_seqs,

@@ -71,9 +71,6 @@ struct DeltaRuleDeviceInputs {
 // reaches it, and its chunks skip the test.
 //
 // o [B, T, HV, V] (same element type as the inputs); ht [N, HV, K, V] fp32 or null.
-// For one or two long sequences (a state walk of at most one block per SM) the work is cut
-// into pieces of chunks and spread over two internal streams forked from and joined back to
-// `stream` (by events), so the call stays ordered on `stream` as a whole.
 // `workspace` must hold chunk_forward_workspace_bytes(...) bytes of device memory and must not
 // be used by other work on other streams while this call's work runs.
 size_t chunk_forward_workspace_bytes(const DeltaRuleShape& shape,
@@ -129,8 +126,7 @@ void chunk_backward(const DeltaRuleDeviceInputs& in, const void* d_o, const floa
 // cannot tell a workspace that did not come from this forward: other contents give wrong
 // gradients, not an error. The price: the
 // workspace stays allocated from forward to backward (per layer, in a model), and the forward
-// writes ~4 K V bytes more per chunk and value head (at 8 x 2048, H = 32: ~0.55 GB) and is never
-// pipelined (chunk_forward's split of one or two long sequences into pieces).
+// writes ~4 K V bytes more per chunk and value head (at 8 x 2048, H = 32: ~0.55 GB).
 void chunk_forward_for_backward(const DeltaRuleDeviceInputs& in, void* o, float* ht,
                                 void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
