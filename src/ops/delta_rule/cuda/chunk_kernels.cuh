@@ -51,7 +51,7 @@ struct ChunkWorkspace {
   // Gated DeltaNet forward on the wgmma walk (raw_qk too): chunk_state_wgmma forms M from the
   // q, k tiles it holds anyway, so chunk_prepare neither computes nor writes M
   bool m_in_state = false;
-  // Gated DeltaNet forward on the split walk (lab knob KDA_GDN_SPLIT_Q=1): its output warps read
+  // Gated DeltaNet forward on the split walk: its output warps read
   // the q rows and scale P's rows by scale 2^G_i themselves, so chunk_prepare writes Kd, M and G
   // (in gC, C floats) but not Qt
   bool qt_in_state = false;

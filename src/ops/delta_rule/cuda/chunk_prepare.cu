@@ -15,7 +15,7 @@
 // (kda_layer_math.cuh), and the q / k row norms from the loaded tiles, folded into phase 2's
 // scalings (one bf16 rounding, where fla rounds the normalised q / k first).
 // Gated DeltaNet forward (ws.raw_qk): Qt and Kd are not written; gC gets G (chunk_state reads
-// q, k itself). With ws.qt_in_state (the split walk's QROWS, a lab knob): Kd and M are written,
+// q, k itself). With ws.qt_in_state (the split walk's QROWS): Kd and M are written,
 // Qt is not, and gC gets G.
 #include <algorithm>
 #include <cmath>

@@ -14,7 +14,7 @@
 // Plain operands only: Gated DeltaNet's raw q / k path (chunk_state.cu's RAW) measured slower
 // here (2 x 8192: 0.746 against 0.696 ms; the walk 2.28 against 2.0 ms at 1 x 65536), and so did
 // forming its M on the output warps (session 22: they became the bottleneck).
-// QROWS (Gated DeltaNet, ws.qt_in_state; the lab knob KDA_GDN_SPLIT_Q=1, not yet measured): the
+// QROWS (Gated DeltaNet, ws.qt_in_state; session 23: 2 x 8192 -5 %, 1 x 65536 -6 %): the
 // output warps read the q rows and G instead of Qt and scale P = q S0's rows by scale 2^G_i (a
 // multiply an element, off the chain); the chain decays by 2^G_C from G. chunk_prepare then
 // writes no Qt.
