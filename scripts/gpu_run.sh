@@ -9,7 +9,7 @@
 # does not travel). How to fill gpu_carry/: docs/GPU_NOTES.md, "Preparing gpu_carry".
 #
 #   scripts/gpu_run.sh [--check-only | --bench-only | --no-fla | --model | --train | --lab |
-#                       --lab-rows | --rows | --flashkda | --profile]
+#                       --lab-rows | --rows | --decode | --flashkda | --profile]
 #
 # --flashkda: the KDA forward rows beside fla's and FlashKDA's only (a ~5-minute call);
 #           KDA_PEER_ROWS=chunk adds the Gated DeltaNet rows, KDA_PEER_SECONDS the time budget.
@@ -283,6 +283,36 @@ if [ "$mode" = "--rows" ]; then
     ./build-gpu-app/bin/kda_gpu_check --small >"$log_dir/rows_racecheck.log" 2>&1 || status=1
   echo "racecheck: ($(grep -c "^CHECK.*PASS" "$log_dir/rows_racecheck.log") checks pass)"
   grep -E "RACECHECK SUMMARY|Race reported" "$log_dir/rows_racecheck.log" | head -4
+  exit "$status"
+fi
+
+# --decode: a decode kernel change's run (~2 minutes): for the defaults and each KDA_DECODE_KNOBS
+# set (';'-separated), the decode checks (with programmatic launch and the early state fetch,
+# as the models run it) and the decode rows at B = 16, 64, 128; then racecheck on the small case
+# with KDA_DECODE_RACE_KNOBS when set.
+if [ "$mode" = "--decode" ]; then
+  build_app kda_gpu_check
+  status=0
+  IFS=';' read -r -a decode_knob_sets <<<";${KDA_DECODE_KNOBS:-}"
+  for knobs in "${decode_knob_sets[@]}"; do
+    echo "== decode checks and rows with: ${knobs:-(defaults)}"
+    # shellcheck disable=SC2086
+    env $knobs KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1 timeout 120 \
+      ./build-gpu-app/bin/kda_gpu_check --decode --check >"$log_dir/decode_check.log" 2>&1 || status=1
+    grep -E "FAIL" "$log_dir/decode_check.log" | head -10
+    echo "decode checks: $(grep -c "^CHECK.*PASS" "$log_dir/decode_check.log") pass"
+    # shellcheck disable=SC2086
+    env $knobs timeout 120 ./build-gpu-app/bin/kda_gpu_check --decode --bench 2>&1 |
+      grep -E "BENCH decode (kda|gdn) B=(16|64|128) (auto|graph|same)"
+  done
+  if [ -n "${KDA_DECODE_RACE_KNOBS:-}" ]; then
+    echo "== racecheck --small with: $KDA_DECODE_RACE_KNOBS"
+    # shellcheck disable=SC2086
+    env $KDA_DECODE_RACE_KNOBS timeout 150 compute-sanitizer --tool racecheck --error-exitcode 3 \
+      ./build-gpu-app/bin/kda_gpu_check --small >"$log_dir/decode_racecheck.log" 2>&1 || status=1
+    echo "racecheck: ($(grep -c "^CHECK.*PASS" "$log_dir/decode_racecheck.log") checks pass)"
+    grep -E "RACECHECK SUMMARY|Race reported" "$log_dir/decode_racecheck.log" | head -4
+  fi
   exit "$status"
 fi
 
