@@ -260,6 +260,31 @@ if [ "$mode" = "--profile" ]; then
   exit "$status"
 fi
 
+# kda_gpu_check with the arguments after $2, under the knobs $1 (space-separated VAR=value), its
+# log in $log_dir/$2: prints the failures and how many checks passed; non-zero when one failed
+checks_with() {
+  local knobs=$1 log=$2 rc
+  shift 2
+  # shellcheck disable=SC2086
+  env $knobs timeout 240 ./build-gpu-app/bin/kda_gpu_check "$@" >"$log_dir/$log" 2>&1
+  rc=$?
+  grep -E "FAIL" "$log_dir/$log" | head -20
+  echo "checks: $(grep -c "^CHECK.*PASS" "$log_dir/$log") pass"
+  return $rc
+}
+
+# compute-sanitizer racecheck on the small case under the knobs $1, its log in $log_dir/$2
+racecheck_small() {
+  local knobs=$1 log=$2 rc
+  # shellcheck disable=SC2086
+  env $knobs timeout 150 compute-sanitizer --tool racecheck --error-exitcode 3 \
+    ./build-gpu-app/bin/kda_gpu_check --small >"$log_dir/$log" 2>&1
+  rc=$?
+  echo "racecheck: ($(grep -c "^CHECK.*PASS" "$log_dir/$log") checks pass)"
+  grep -E "RACECHECK SUMMARY|Race reported" "$log_dir/$log" | head -4
+  return $rc
+}
+
 # --rows: a kernel change's first run (~4 minutes): the delta-rule checks with the defaults and
 # with each KDA_ROWS_CHECK_KNOBS set (';'-separated), the chunked forward rows once per
 # KDA_LAB_KNOBS set (an empty set is the defaults), the forward + backward rows, then racecheck
@@ -270,19 +295,12 @@ if [ "$mode" = "--rows" ]; then
   IFS=';' read -r -a check_knob_sets <<<";${KDA_ROWS_CHECK_KNOBS:-}"
   for knobs in "${check_knob_sets[@]}"; do
     echo "== kda_gpu_check --check with: ${knobs:-(defaults)}"
-    # shellcheck disable=SC2086
-    env $knobs timeout 240 ./build-gpu-app/bin/kda_gpu_check --check >"$log_dir/rows_check.log" 2>&1 ||
-      status=1
-    grep -E "FAIL" "$log_dir/rows_check.log" | head -20
-    echo "checks: $(grep -c "^CHECK.*PASS" "$log_dir/rows_check.log") pass"
+    checks_with "$knobs" rows_check.log --check || status=1
   done
   chunk_rows "${KDA_LAB_KNOBS:-}"
   fwdbwd_rows ""
   echo "== racecheck --small"
-  timeout 120 compute-sanitizer --tool racecheck --error-exitcode 3 \
-    ./build-gpu-app/bin/kda_gpu_check --small >"$log_dir/rows_racecheck.log" 2>&1 || status=1
-  echo "racecheck: ($(grep -c "^CHECK.*PASS" "$log_dir/rows_racecheck.log") checks pass)"
-  grep -E "RACECHECK SUMMARY|Race reported" "$log_dir/rows_racecheck.log" | head -4
+  racecheck_small "" rows_racecheck.log || status=1
   exit "$status"
 fi
 
@@ -296,22 +314,15 @@ if [ "$mode" = "--decode" ]; then
   IFS=';' read -r -a decode_knob_sets <<<";${KDA_DECODE_KNOBS:-}"
   for knobs in "${decode_knob_sets[@]}"; do
     echo "== decode checks and rows with: ${knobs:-(defaults)}"
-    # shellcheck disable=SC2086
-    env $knobs KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1 timeout 120 \
-      ./build-gpu-app/bin/kda_gpu_check --decode --check >"$log_dir/decode_check.log" 2>&1 || status=1
-    grep -E "FAIL" "$log_dir/decode_check.log" | head -10
-    echo "decode checks: $(grep -c "^CHECK.*PASS" "$log_dir/decode_check.log") pass"
+    checks_with "$knobs KDA_DECODE_OVERLAP=1 KDA_DECODE_PREFETCH=1" decode_check.log \
+      --decode --check || status=1
     # shellcheck disable=SC2086
     env $knobs timeout 120 ./build-gpu-app/bin/kda_gpu_check --decode --bench 2>&1 |
       grep -E "BENCH decode (kda|gdn) B=(16|64|128) (auto|graph|same)"
   done
   if [ -n "${KDA_DECODE_RACE_KNOBS:-}" ]; then
     echo "== racecheck --small with: $KDA_DECODE_RACE_KNOBS"
-    # shellcheck disable=SC2086
-    env $KDA_DECODE_RACE_KNOBS timeout 150 compute-sanitizer --tool racecheck --error-exitcode 3 \
-      ./build-gpu-app/bin/kda_gpu_check --small >"$log_dir/decode_racecheck.log" 2>&1 || status=1
-    echo "racecheck: ($(grep -c "^CHECK.*PASS" "$log_dir/decode_racecheck.log") checks pass)"
-    grep -E "RACECHECK SUMMARY|Race reported" "$log_dir/decode_racecheck.log" | head -4
+    racecheck_small "$KDA_DECODE_RACE_KNOBS" decode_racecheck.log || status=1
   fi
   exit "$status"
 fi
