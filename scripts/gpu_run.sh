@@ -287,8 +287,8 @@ racecheck_small() {
 
 # --rows: a kernel change's first run (~4 minutes): the delta-rule checks with the defaults and
 # with each KDA_ROWS_CHECK_KNOBS set (';'-separated), the chunked forward rows once per
-# KDA_LAB_KNOBS set (an empty set is the defaults), the forward + backward rows, then racecheck
-# on the small case (last: a call cut short loses it first).
+# KDA_LAB_KNOBS set (an empty set is the defaults), the forward + backward rows (once per
+# KDA_FWDBWD_KNOBS set), then racecheck on the small case (last: a call cut short loses it first).
 if [ "$mode" = "--rows" ]; then
   build_app kda_gpu_check
   status=0
@@ -298,7 +298,7 @@ if [ "$mode" = "--rows" ]; then
     checks_with "$knobs" rows_check.log --check || status=1
   done
   chunk_rows "${KDA_LAB_KNOBS:-}"
-  fwdbwd_rows ""
+  fwdbwd_rows "${KDA_FWDBWD_KNOBS:-}"
   echo "== racecheck --small"
   racecheck_small "" rows_racecheck.log || status=1
   exit "$status"

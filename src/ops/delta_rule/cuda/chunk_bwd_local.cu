@@ -95,11 +95,121 @@ __device__ __forceinline__ void add_rows(float* dst, int r0, float lo, float hi,
   }
 }
 
+// Step 4 of a wide chunk (EXACT with BLOCKED), blockwise: the warp's rows i lie in the 16-row
+// block wm (anchor a = m0, its first row), so
+//   4a / 4b (dq_i, a_i over j <= i): for blocks J < wm the B operand k_j 2^(G_a - G_j) (<= 1:
+//     G falls along the chunk) is formed as its fragment is loaded and the product runs on the
+//     tensor cores, the row scale 2^(G_i - G_a) (<= 1) after; the diagonal block elementwise;
+//   4c (b_j over i >= j): for blocks I > wm the B operands q_i 2^(G_i - G_b), k_i 2^(G_i - G_b)
+//     with b = m0 + 16 (the next block's first row; <= 1), the row scale 2^(G_b - G_j) (<= 1)
+//     after; the diagonal block elementwise.
+// No factor exceeds 1, so nothing overflows however wide the decay (rows past the chunk's end
+// hold G constant). The elementwise path pays ~64 exp2 an element and pair list; this one 16.
+template <int K>
+__device__ __forceinline__ void exact_pairs_blocked(const bf16* sq, const bf16* sk, const float* sG,
+                                                    const bf16* sdAqk, const bf16* sdAkk,
+                                                    float (&dq)[K / 16][4], float (&dk)[K / 16][4],
+                                                    float (&dG)[K / 16][4], const Frag fr,
+                                                    const int wm, const int m0, const int kb,
+                                                    const int lane) {
+  constexpr int LDK = K + 8, LDC = C + 8, LDG = K + 4, NTK = K / 16;
+  const int gr = fr.gr, tq = fr.tq;
+  // b[2u] holds rows j0, j0 + 1 and b[2u + 1] rows j0 + 8, j0 + 9 of column c0 + 8u (load_b_kn)
+  const auto scale_rows = [&](uint32_t(&b)[4], int j0, int c0, const float* anchor, bool below) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int c = c0 + 8 * u;
+      const float ga = anchor[c];
+      const float* g = sG + j0 * LDG + c;
+      // below: 2^(G_anchor - G_j) (rows before the anchor); else 2^(G_j - G_anchor)
+      const float s = below ? 1.f : -1.f;
+      b[2 * u] = scale_bf16x2(b[2 * u], fast_exp2(s * (ga - g[0])), fast_exp2(s * (ga - g[LDG])));
+      b[2 * u + 1] = scale_bf16x2(b[2 * u + 1], fast_exp2(s * (ga - g[8 * LDG])),
+                                  fast_exp2(s * (ga - g[9 * LDG])));
+    }
+  };
+  const float* g_a = sG + m0 * LDG;  // this block's anchor row
+#pragma unroll 1
+  for (int pass = 0; pass < 2; ++pass) {  // 4a: dAqk into dq; 4b: dAkk into a (dk, dG)
+    const bf16* dA = pass == 0 ? sdAqk : sdAkk;
+    float acc[NTK][4] = {};
+    for (int J = 0; J < wm; ++J) {
+      uint32_t a[4];
+      load_a(a, dA, LDC, m0, 16 * J, lane);
+#pragma unroll
+      for (int np = 0; np < NTK / 2; ++np) {
+        uint32_t b[4];
+        load_b_kn(b, sk, LDK, 16 * J, kb + 16 * np, lane);
+        scale_rows(b, 16 * J + 2 * tq, kb + 16 * np + gr, g_a, true);
+        mma_bf16(acc[2 * np], a, b[0], b[1]);
+        mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NTK; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = fr.row(m0, e), c = fr.col(kb, nt, e);
+        const float g_r = sG[r * LDG + c];
+        float v = acc[nt][e] * fast_exp2(g_r - g_a[c]);
+        const int last = pass == 0 ? r : r - 1;  // dAqk keeps its diagonal, dAkk does not
+        for (int j = m0; j <= last; ++j)
+          v += bf(dA + r * LDC + j) * bf(sk + j * LDK + c) * exp2f(g_r - sG[j * LDG + c]);
+        if (pass == 0) {
+          dq[nt][e] += v;
+        } else {
+          dk[nt][e] += v;
+          dG[nt][e] += bf(sk + r * LDK + c) * v;
+        }
+      }
+  }
+  // 4c: b_j = sum_{i >= j} (dAqk_ij q_i + dAkk_ij k_i) 2^(G_i - G_j) into dk, dG
+  float acc[NTK][4] = {};
+  const bool after = wm < C / 16 - 1;  // blocks below this one
+  const float* g_b = sG + (after ? m0 + 16 : m0) * LDG;
+  if (after) {
+    for (int I = wm + 1; I < C / 16; ++I) {
+      uint32_t aq[4], ak[4];
+      load_a_trans(aq, sdAqk, LDC, m0, 16 * I, lane);
+      load_a_trans(ak, sdAkk, LDC, m0, 16 * I, lane);
+#pragma unroll
+      for (int np = 0; np < NTK / 2; ++np) {
+        uint32_t bq[4], bk[4];
+        load_b_kn(bq, sq, LDK, 16 * I, kb + 16 * np, lane);
+        load_b_kn(bk, sk, LDK, 16 * I, kb + 16 * np, lane);
+        scale_rows(bq, 16 * I + 2 * tq, kb + 16 * np + gr, g_b, false);
+        scale_rows(bk, 16 * I + 2 * tq, kb + 16 * np + gr, g_b, false);
+        mma_bf16(acc[2 * np], aq, bq[0], bq[1]);
+        mma_bf16(acc[2 * np + 1], aq, bq[2], bq[3]);
+        mma_bf16(acc[2 * np], ak, bk[0], bk[1]);
+        mma_bf16(acc[2 * np + 1], ak, bk[2], bk[3]);
+      }
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < NTK; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = fr.row(m0, e), c = fr.col(kb, nt, e);
+      const float g_r = sG[r * LDG + c];
+      float v = after ? acc[nt][e] * fast_exp2(g_b[c] - g_r) : 0.f;
+      for (int i = r; i < m0 + 16; ++i) {
+        float t = bf(sdAqk + i * LDC + r) * bf(sq + i * LDK + c);
+        if (i > r) t += bf(sdAkk + i * LDC + r) * bf(sk + i * LDK + c);
+        v += t * exp2f(sG[i * LDG + c] - g_r);
+      }
+      dk[nt][e] += v;
+      dG[nt][e] -= bf(sk + r * LDK + c) * v;
+    }
+}
+
 // One (chunk, value head). EXACT (KDA only, unless the gate is bounded inside the split's range:
 // decay_within_split): the instance with the elementwise step 4 for wide-decay chunks; a
 // separate instance, so that the default one keeps its registers (the extra branch costs the
-// K = 128 instance ~40 bytes of spills)
-template <Gate GATE, int K, int V, bool EXACT>
+// K = 128 instance ~40 bytes of spills). BLOCKED (EXACT only; the kernel-lab knob
+// KDA_BWD_EXACT_BLOCKED=1): the wide chunks' pairwise terms blockwise instead of elementwise (see
+// step 4).
+template <Gate GATE, int K, int V, bool EXACT, bool BLOCKED = false>
 __device__ __forceinline__ void bwd_local_chunk(const ChunkTokens& x, const ChunkWorkspace& ws,
                                                 const ChunkGrads& gd, const int64_t chunk,
                                                 const int hv) {
@@ -708,6 +818,8 @@ __device__ __forceinline__ void bwd_local_chunk(const ChunkTokens& x, const Chun
           dG[nt][e] -= bf(sk + r * LDK + c) * v;
         }
     }
+  } else if constexpr (BLOCKED) {
+    exact_pairs_blocked<K>(sq, sk, sG, sdAqk, sdAkk, dq, dk, dG, fr, wm, m0, kb, lane);
   } else {
     // elementwise (exact_pairs, KDA only): dq_i += sum_{j <= i} dAqk_ij k_j 2^(G_i - G_j),
     // a_i = sum_{j < i} dAkk_ij k_j 2^(G_i - G_j), b_j = sum_{i >= j} (dAqk_ij q_i + dAkk_ij k_i)
@@ -852,7 +964,7 @@ __device__ __forceinline__ void bwd_local_chunk(const ChunkTokens& x, const Chun
 // takes the grid's unflagged chunks and the EXACT instance, on a grid of its own, walks the
 // list of the flagged ones; so only wide chunks pay for the elementwise path. Without it: the
 // grid's every chunk, in either instance.
-template <Gate GATE, int K, int V, bool EXACT>
+template <Gate GATE, int K, int V, bool EXACT, bool BLOCKED>
 __global__ void __launch_bounds__(kThreads, 1)
     chunk_bwd_local_kernel(const ChunkTokens x, const ChunkWorkspace ws, const ChunkGrads gd) {
   if constexpr (EXACT) {                          // one loop, so that the body is inlined once
@@ -863,8 +975,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const unsigned n = listed ? min(*ws.wide_count, entries) : 1u, step = listed ? gridDim.x : 1u;
     for (unsigned e = listed ? blockIdx.x : 0u; e < n; e += step) {
       const unsigned entry = listed ? ws.wide_list[e] : blockIdx.x * unsigned(x.HV) + blockIdx.y;
-      bwd_local_chunk<GATE, K, V, true>(x, ws, gd, entry / unsigned(x.HV),
-                                        int(entry % unsigned(x.HV)));
+      bwd_local_chunk<GATE, K, V, true, BLOCKED>(x, ws, gd, entry / unsigned(x.HV),
+                                                 int(entry % unsigned(x.HV)));
       __syncthreads();  // the next chunk reuses the shared memory
     }
   } else {
@@ -873,7 +985,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-template <Gate GATE, int K, int V, bool EXACT>
+template <Gate GATE, int K, int V, bool EXACT, bool BLOCKED>
 void launch(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd,
             cudaStream_t stream) {
   using L = LocalLayout<GATE, K, V>;
@@ -881,7 +993,7 @@ void launch(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd
   constexpr size_t most = kChannel ? L::total_layer : L::total;
   static_assert(most <= 227 * 1024, "chunk_bwd_local: shared memory");
   static const bool configured = [] {
-    check_cuda(cudaFuncSetAttribute(chunk_bwd_local_kernel<GATE, K, V, EXACT>,
+    check_cuda(cudaFuncSetAttribute(chunk_bwd_local_kernel<GATE, K, V, EXACT, BLOCKED>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, int(most)),
                "chunk_bwd_local shared memory limit");
     return true;
@@ -893,16 +1005,16 @@ void launch(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd
                         ? dim3(unsigned(std::min<int64_t>(all, std::max(1, device_sm_count()))))
                         : dim3(unsigned(ws.num_chunks), unsigned(x.HV));
   const size_t bytes = kChannel && x.layer.gate ? L::total_layer : L::total;
-  chunk_bwd_local_kernel<GATE, K, V, EXACT><<<grid, kThreads, bytes, stream>>>(x, ws, gd);
+  chunk_bwd_local_kernel<GATE, K, V, EXACT, BLOCKED><<<grid, kThreads, bytes, stream>>>(x, ws, gd);
   check_launch("chunk_bwd_local kernel");
 }
 
-template <Gate GATE, bool EXACT = false>
+template <Gate GATE, bool EXACT = false, bool BLOCKED = false>
 void launch_kv(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd, int K, int V,
                cudaStream_t stream) {
-  if (K == 128 && V == 128) return launch<GATE, 128, 128, EXACT>(x, ws, gd, stream);
+  if (K == 128 && V == 128) return launch<GATE, 128, 128, EXACT, BLOCKED>(x, ws, gd, stream);
   require(K == 64 && V == 64, "chunk_bwd_local: K = V = 64 or 128");
-  return launch<GATE, 64, 64, EXACT>(x, ws, gd, stream);
+  return launch<GATE, 64, 64, EXACT, BLOCKED>(x, ws, gd, stream);
 }
 
 // One thread per 4 channels of one (token, q / k head) row; a row's K / 4 threads are adjacent
@@ -982,6 +1094,16 @@ void launch_chunk_bwd_local(const ChunkTokens& x, const ChunkWorkspace& ws, cons
     const char* knob = std::getenv("KDA_BWD_EXACT_ALL");
     return knob && knob[0] == '1';
   }();
+  // Kernel-lab knob KDA_BWD_EXACT_BLOCKED=1: the EXACT instance's pairwise terms blockwise
+  // (exact_pairs_blocked; compiled in session 23, not yet measured)
+  static const bool blocked = [] {
+    const char* knob = std::getenv("KDA_BWD_EXACT_BLOCKED");
+    return knob && knob[0] == '1';
+  }();
+  const auto launch_exact = [&](const ChunkWorkspace& w) {
+    if (blocked) return launch_kv<Gate::channel, true, true>(x, w, gd, K, V, stream);
+    return launch_kv<Gate::channel, true>(x, w, gd, K, V, stream);
+  };
   ChunkWorkspace w = ws;
   switch (gate) {
     case Gate::channel:
@@ -991,10 +1113,10 @@ void launch_chunk_bwd_local(const ChunkTokens& x, const ChunkWorkspace& ws, cons
       }
       if (exact_all) {
         w.wide_flag = nullptr;
-        return launch_kv<Gate::channel, true>(x, w, gd, K, V, stream);
+        return launch_exact(w);
       }
-      launch_kv<Gate::channel>(x, w, gd, K, V, stream);               // the unflagged chunks
-      return launch_kv<Gate::channel, true>(x, w, gd, K, V, stream);  // the listed ones
+      launch_kv<Gate::channel>(x, w, gd, K, V, stream);  // the unflagged chunks
+      return launch_exact(w);                            // the listed ones
     case Gate::scalar:
       w.wide_flag = nullptr;
       return launch_kv<Gate::scalar>(x, w, gd, K, V, stream);
