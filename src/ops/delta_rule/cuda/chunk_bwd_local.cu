@@ -114,18 +114,25 @@ __device__ __forceinline__ void exact_pairs_blocked(const bf16* sq, const bf16* 
                                                     const int lane) {
   constexpr int LDK = K + 8, LDC = C + 8, LDG = K + 4, NTK = K / 16;
   const int gr = fr.gr, tq = fr.tq;
-  // b[2u] holds rows j0, j0 + 1 and b[2u + 1] rows j0 + 8, j0 + 9 of column c0 + 8u (load_b_kn)
-  const auto scale_rows = [&](uint32_t(&b)[4], int j0, int c0, const float* anchor, bool below) {
+  // The factors of one load_b_kn fragment pair: b[2u] holds rows j0, j0 + 1 and b[2u + 1] rows
+  // j0 + 8, j0 + 9 of column c0 + 8u. sign = 1: 2^(G_anchor - G_j) (rows before the anchor);
+  // sign = -1: 2^(G_j - G_anchor) (rows after it).
+  const auto row_factors = [&](float(&f)[8], int j0, int c0, const float* anchor, float sign) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
-      const int c = c0 + 8 * u;
-      const float ga = anchor[c];
-      const float* g = sG + j0 * LDG + c;
-      // below: 2^(G_anchor - G_j) (rows before the anchor); else 2^(G_j - G_anchor)
-      const float s = below ? 1.f : -1.f;
-      b[2 * u] = scale_bf16x2(b[2 * u], fast_exp2(s * (ga - g[0])), fast_exp2(s * (ga - g[LDG])));
-      b[2 * u + 1] = scale_bf16x2(b[2 * u + 1], fast_exp2(s * (ga - g[8 * LDG])),
-                                  fast_exp2(s * (ga - g[9 * LDG])));
+      const float ga = anchor[c0 + 8 * u];
+      const float* g = sG + j0 * LDG + c0 + 8 * u;
+      f[4 * u + 0] = fast_exp2(sign * (ga - g[0]));
+      f[4 * u + 1] = fast_exp2(sign * (ga - g[LDG]));
+      f[4 * u + 2] = fast_exp2(sign * (ga - g[8 * LDG]));
+      f[4 * u + 3] = fast_exp2(sign * (ga - g[9 * LDG]));
+    }
+  };
+  const auto scale_rows = [](uint32_t(&b)[4], const float(&f)[8]) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      b[2 * u] = scale_bf16x2(b[2 * u], f[4 * u], f[4 * u + 1]);
+      b[2 * u + 1] = scale_bf16x2(b[2 * u + 1], f[4 * u + 2], f[4 * u + 3]);
     }
   };
   const float* g_a = sG + m0 * LDG;  // this block's anchor row
@@ -139,8 +146,10 @@ __device__ __forceinline__ void exact_pairs_blocked(const bf16* sq, const bf16* 
 #pragma unroll
       for (int np = 0; np < NTK / 2; ++np) {
         uint32_t b[4];
+        float f[8];
         load_b_kn(b, sk, LDK, 16 * J, kb + 16 * np, lane);
-        scale_rows(b, 16 * J + 2 * tq, kb + 16 * np + gr, g_a, true);
+        row_factors(f, 16 * J + 2 * tq, kb + 16 * np + gr, g_a, 1.f);
+        scale_rows(b, f);
         mma_bf16(acc[2 * np], a, b[0], b[1]);
         mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
       }
@@ -175,10 +184,12 @@ __device__ __forceinline__ void exact_pairs_blocked(const bf16* sq, const bf16* 
 #pragma unroll
       for (int np = 0; np < NTK / 2; ++np) {
         uint32_t bq[4], bk[4];
+        float f[8];
         load_b_kn(bq, sq, LDK, 16 * I, kb + 16 * np, lane);
         load_b_kn(bk, sk, LDK, 16 * I, kb + 16 * np, lane);
-        scale_rows(bq, 16 * I + 2 * tq, kb + 16 * np + gr, g_b, false);
-        scale_rows(bk, 16 * I + 2 * tq, kb + 16 * np + gr, g_b, false);
+        row_factors(f, 16 * I + 2 * tq, kb + 16 * np + gr, g_b, -1.f);
+        scale_rows(bq, f);
+        scale_rows(bk, f);
         mma_bf16(acc[2 * np], aq, bq[0], bq[1]);
         mma_bf16(acc[2 * np + 1], aq, bq[2], bq[3]);
         mma_bf16(acc[2 * np], ak, bk[0], bk[1]);

@@ -510,9 +510,8 @@ void launch_head_kernel(dim3 grid, const RecurrentParams& p, bool overlap, cudaS
 }
 
 template <class Tin, Gate GATE>
-void launch_head_for_k(int K, dim3 grid, const RecurrentParams& p, bool overlap,
+void launch_head_for_k(int K, dim3 grid, bool loop, const RecurrentParams& p, bool overlap,
                        cudaStream_t stream) {
-  const bool loop = grid.y == 1 && int64_t(grid.x) < p.head_units;
   if (K == 128)
     loop ? launch_head_kernel<Tin, GATE, 128, true>(grid, p, overlap, stream)
          : launch_head_kernel<Tin, GATE, 128, false>(grid, p, overlap, stream);
@@ -524,18 +523,19 @@ void launch_head_for_k(int K, dim3 grid, const RecurrentParams& p, bool overlap,
          : launch_head_kernel<Tin, GATE, 32, false>(grid, p, overlap, stream);
 }
 
+// loop: a 1-D grid smaller than p.head_units whose blocks take units in turn (the LOOP instance)
 template <class Tin>
-void launch_head_for_gate(Gate gate, int K, dim3 grid, const RecurrentParams& p, bool overlap,
-                          cudaStream_t stream) {
+void launch_head_for_gate(Gate gate, int K, dim3 grid, bool loop, const RecurrentParams& p,
+                          bool overlap, cudaStream_t stream) {
   switch (gate) {
     case Gate::channel:
-      launch_head_for_k<Tin, Gate::channel>(K, grid, p, overlap, stream);
+      launch_head_for_k<Tin, Gate::channel>(K, grid, loop, p, overlap, stream);
       break;
     case Gate::scalar:
-      launch_head_for_k<Tin, Gate::scalar>(K, grid, p, overlap, stream);
+      launch_head_for_k<Tin, Gate::scalar>(K, grid, loop, p, overlap, stream);
       break;
     case Gate::none:
-      launch_head_for_k<Tin, Gate::none>(K, grid, p, overlap, stream);
+      launch_head_for_k<Tin, Gate::none>(K, grid, loop, p, overlap, stream);
       break;
   }
 }
@@ -705,13 +705,16 @@ void decode_step(const DecodeArgs& a, cudaStream_t stream) {
   // blocks leave half of each SM free overlaps the next step (programmatic launch) better than
   // one full wave does. Small values also exercise the loop in the checks.
   dim3 grid(unsigned(s.HV), unsigned(s.B));
+  bool loop = false;
   if (const char* knob = std::getenv("KDA_DECODE_HEAD_GRID");
-      knob && std::atoll(knob) > 0 && std::atoll(knob) < p.head_units)
+      knob && std::atoll(knob) > 0 && std::atoll(knob) < p.head_units) {
     grid = dim3(static_cast<unsigned>(std::atoll(knob)));
+    loop = true;
+  }
   if (a.dtype == ElementType::bf16)
-    launch_head_for_gate<__nv_bfloat16>(s.gate, int(s.K), grid, p, overlap, stream);
+    launch_head_for_gate<__nv_bfloat16>(s.gate, int(s.K), grid, loop, p, overlap, stream);
   else
-    launch_head_for_gate<float>(s.gate, int(s.K), grid, p, overlap, stream);
+    launch_head_for_gate<float>(s.gate, int(s.K), grid, loop, p, overlap, stream);
   check_launch("delta rule decode head kernel");
 }
 
