@@ -425,6 +425,24 @@ class ChatTokenizer : public tokenizer::Tokenizer {
   const tokenizer::Tokenizer& inner_;
 };
 
+// The model's tokenizer without stop tokens: a sampled end-of-text cannot end a request early.
+class NoStopTokenizer : public tokenizer::Tokenizer {
+ public:
+  explicit NoStopTokenizer(const tokenizer::Tokenizer& inner) : inner_(inner) {}
+  std::vector<int32_t> encode(const std::string& text, bool allow_special) const override {
+    return inner_.encode(text, allow_special);
+  }
+  std::string decode(const std::vector<int32_t>& ids) const override { return inner_.decode(ids); }
+  int64_t vocab_size() const override { return inner_.vocab_size(); }
+  std::string apply_chat_template(const std::vector<tokenizer::ChatMessage>& m) const override {
+    return inner_.apply_chat_template(m);
+  }
+  std::vector<int32_t> stop_ids() const override { return {}; }
+
+ private:
+  const tokenizer::Tokenizer& inner_;
+};
+
 class ServerHttp : public ::testing::Test {
  protected:
   void start(const tokenizer::Tokenizer& tok, SchedulerOptions options = {}) {
@@ -680,7 +698,9 @@ TEST_F(ServerHttp, NonAsciiOutputIsValidJsonWholeAndStreamed) {
 }
 
 TEST_F(ServerHttp, ClientsThatLeaveFreeTheirSequence) {
-  start(*loaded().tok, {.max_active = 1, .context = 0, .prefix_cache = 0, .max_waiting = 0});
+  // without stop tokens: a sampled end-of-text would finish the request before the client leaves
+  const NoStopTokenizer no_stop(*loaded().tok);
+  start(no_stop, {.max_active = 1, .context = 0, .prefix_cache = 0, .max_waiting = 0});
   for (const bool stream : {false, true}) {
     // a request that would generate for a long time, and a client that leaves at once
     const int fd = connect_to(port());
