@@ -58,7 +58,8 @@ date -u +"%Y-%m-%d %H:%M UTC"
 script_start=$(date +%s)
 
 # build-gpu-app (the kda binary's configuration, with the CUDA kernels; needs gpu_carry/pcre2):
-# configure and build the named targets, or stop the script with the errors
+# configure and build the named targets (and KDA_EXTRA_TARGETS: e.g. kda, for a recall grid
+# started after the timings), or stop the script with the errors
 build_app() {
   echo "== configure + build (build-gpu-app: $*; sm_90a)"
   export PKG_CONFIG_PATH="$PWD/gpu_carry/pcre2/lib/pkgconfig" LD_LIBRARY_PATH="$PWD/gpu_carry/pcre2/lib"
@@ -66,7 +67,7 @@ build_app() {
   start=$(date +%s)
   if ! { cmake -S . -B build-gpu-app -G Ninja -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_CUDA_ARCHITECTURES=90a -DKDA_TESTS=OFF >"$log_dir/configure_app.log" 2>&1 &&
-    cmake --build build-gpu-app --target "$@" -j "$(nproc)" >"$log_dir/build_app.log" 2>&1; }; then
+    cmake --build build-gpu-app --target "$@" ${KDA_EXTRA_TARGETS:-} -j "$(nproc)" >"$log_dir/build_app.log" 2>&1; }; then
     grep -E "error" -A3 "$log_dir/configure_app.log" "$log_dir/build_app.log" | head -40
     exit 1
   fi
