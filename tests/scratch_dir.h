@@ -1,11 +1,12 @@
 // A fresh folder per test and process under the system's temporary directory, named after the
-// running test (kda_<suite>_<pid>_<test>), removed with everything in it when the test ends:
-// parallel test runs never touch each other's files.
+// running test (kda_<suite>_<pid>_<test>, then _1, _2, ... for further folders), removed with
+// everything in it when the test ends: parallel test runs never touch each other's files.
 #pragma once
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <filesystem>
 #include <string>
 #include <system_error>
@@ -17,9 +18,12 @@ class ScratchDir {
  public:
   ScratchDir() {
     const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
+    // a second folder in the same process gets its own number: two in one test never share
+    static std::atomic<int> made{0};
+    const int n = made++;
     path_ = std::filesystem::temp_directory_path() /
             ("kda_" + std::string(test->test_suite_name()) + "_" + std::to_string(::getpid()) +
-             "_" + test->name());
+             "_" + test->name() + (n > 0 ? "_" + std::to_string(n) : ""));
     std::filesystem::remove_all(path_);
     std::filesystem::create_directories(path_);
   }

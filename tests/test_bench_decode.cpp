@@ -7,6 +7,7 @@
 #include <string>
 
 #include "run_command.h"
+#include "scratch_dir.h"
 
 namespace {
 
@@ -16,17 +17,17 @@ CommandResult run(const std::string& args) {
   return kda::testing::run_kda(args);
 }
 
-const std::filesystem::path kOut = std::filesystem::temp_directory_path() / "kda_bench_decode";
-
 TEST(BenchDecode, TinyConfigPrintsTheTable) {
-  const CommandResult r = run("bench decode --tiny --out " + kOut.string());
+  const kda::testing::ScratchDir scratch;  // this test's own folder
+  const std::filesystem::path out_root(scratch.str());
+  const CommandResult r = run("bench decode --tiny --out " + out_root.string());
   ASSERT_EQ(r.status, 0) << r.output;
   for (const char* needle : {"memory bandwidth", "read", "active per token",
                              "bytes per decoded token", "decode ", "prefill ", "% of floor"}) {
     EXPECT_NE(r.output.find(needle), std::string::npos) << needle << "\n" << r.output;
   }
-  EXPECT_TRUE(std::filesystem::exists(kOut / "decode.md"));
-  EXPECT_TRUE(std::filesystem::exists(kOut / "decode.csv"));
+  EXPECT_TRUE(std::filesystem::exists(out_root / "decode.md"));
+  EXPECT_TRUE(std::filesystem::exists(out_root / "decode.csv"));
 }
 
 TEST(BenchDecode, BadFlagsFailClearly) {

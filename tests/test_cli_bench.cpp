@@ -12,6 +12,7 @@
 #include <string>
 
 #include "run_command.h"
+#include "scratch_dir.h"
 
 namespace {
 
@@ -28,28 +29,30 @@ std::string slurp(const std::filesystem::path& p) {
   return s.str();
 }
 
-const std::filesystem::path kOut = std::filesystem::temp_directory_path() / "kda_cli_bench";
-
 TEST(CliBench, LineageWritesMarkdownAndCsvWithEveryMixer) {
+  const kda::testing::ScratchDir scratch;  // this test's own folder
+  const std::filesystem::path out_root(scratch.str());
   const CommandResult r =
-      run("lineage --contexts 64,200 --heads 2 --dim 32 --out " + kOut.string());
+      run("lineage --contexts 64,200 --heads 2 --dim 32 --out " + out_root.string());
   ASSERT_EQ(r.status, 0) << r.output;
-  const std::string csv = slurp(kOut / "lineage.csv");
+  const std::string csv = slurp(out_root / "lineage.csv");
   for (const char* mixer :
        {"GPT-2 recompute", "KV cache", "linear attention", "DeltaNet", "Gated DeltaNet", "KDA"}) {
     EXPECT_NE(csv.find(mixer), std::string::npos) << mixer;
   }
   EXPECT_EQ(csv.find("NO ("), std::string::npos) << "decode disagrees with prefill:\n" << csv;
-  EXPECT_NE(slurp(kOut / "lineage.md").find("| KDA |"), std::string::npos);
+  EXPECT_NE(slurp(out_root / "lineage.md").find("| KDA |"), std::string::npos);
 }
 
 TEST(CliBench, RecallWritesJsonOfEveryCell) {
+  const kda::testing::ScratchDir scratch;  // this test's own folder
+  const std::filesystem::path out_root(scratch.str());
   const CommandResult r =
       run("bench recall --quick --steps 3 --lengths 16 --mixers kda,softmax --tasks "
           "mqar,stack --out " +
-          kOut.string());
+          out_root.string());
   ASSERT_EQ(r.status, 0) << r.output;
-  const auto results = nlohmann::json::parse(slurp(kOut / "recall.json"));
+  const auto results = nlohmann::json::parse(slurp(out_root / "recall.json"));
   ASSERT_EQ(results.size(), 4u);
   for (const auto& cell : results) {
     EXPECT_TRUE(cell.contains("mixer") && cell.contains("task") && cell.contains("seq_len"));
@@ -57,16 +60,18 @@ TEST(CliBench, RecallWritesJsonOfEveryCell) {
     EXPECT_GE(acc, 0.0);
     EXPECT_LE(acc, 1.0);
   }
-  EXPECT_NE(slurp(kOut / "recall.svg").find("<svg"), std::string::npos);
+  EXPECT_NE(slurp(out_root / "recall.svg").find("<svg"), std::string::npos);
 }
 
 // --progress N: every run reports its step, mean loss and time a step every N steps (and only
 // then), labelled with its cell, so that a long GPU run's log shows how far it is.
 TEST(CliBench, RecallProgressReportsEveryNSteps) {
+  const kda::testing::ScratchDir scratch;  // this test's own folder
+  const std::filesystem::path out_root(scratch.str());
   const CommandResult r =
       run("bench recall --quick --steps 6 --lengths 16 --mixers delta --tasks stack "
           "--progress 2 --out " +
-          (kOut / "recall_progress").string());
+          (out_root / "recall_progress").string());
   ASSERT_EQ(r.status, 0) << r.output;
   for (const char* step : {"step 2/6 loss ", "step 4/6 loss ", "step 6/6 loss "})
     EXPECT_NE(r.output.find(std::string("[delta stack T=16 seed 17] ") + step), std::string::npos)
@@ -77,7 +82,7 @@ TEST(CliBench, RecallProgressReportsEveryNSteps) {
   // without the flag a run prints nothing until it ends
   const CommandResult quiet =
       run("bench recall --quick --steps 2 --lengths 16 --mixers delta --tasks stack --out " +
-          (kOut / "recall_quiet").string());
+          (out_root / "recall_quiet").string());
   ASSERT_EQ(quiet.status, 0) << quiet.output;
   EXPECT_EQ(quiet.output.find("ms/step"), std::string::npos) << quiet.output;
 }
@@ -98,7 +103,9 @@ std::vector<nlohmann::json> read_runs(const std::filesystem::path& path, bool sk
 // --seeds 3: every cell trains from three seeds; recall.json holds their mean (at the learning
 // rate with the best mean) with the per-seed values, recall_runs.jsonl every run.
 TEST(CliBench, RecallSeedsAverageAndListEveryRun) {
-  const auto out = kOut / "recall_seeds";
+  const kda::testing::ScratchDir scratch;  // this test's own folder
+  const std::filesystem::path out_root(scratch.str());
+  const auto out = out_root / "recall_seeds";
   const CommandResult r =
       run("bench recall --quick --steps 4 --lengths 16 --mixers delta --tasks mqar --lrs "
           "3e-3,1e-2 --seeds 3 --jobs 2 --out " +
@@ -146,7 +153,9 @@ TEST(CliBench, RecallSeedsAverageAndListEveryRun) {
 // --continue: a second call with the same settings reuses every finished run (trains none and
 // gives the same table); one with other settings trains again; a cut-off last line is skipped.
 TEST(CliBench, RecallContinueReusesFinishedRuns) {
-  const auto out = kOut / "recall_continue";
+  const kda::testing::ScratchDir scratch;  // this test's own folder
+  const std::filesystem::path out_root(scratch.str());
+  const auto out = out_root / "recall_continue";
   std::filesystem::remove_all(out);
   const std::string base =
       "bench recall --quick --lengths 16 --mixers delta --tasks stack "
@@ -178,7 +187,9 @@ TEST(CliBench, RecallContinueReusesFinishedRuns) {
 // in exactly one shard; --no-train reports the merged file without training, and a cell with
 // no run yet shows "-" (and is left out of recall.json).
 TEST(CliBench, RecallShardsSplitTheGridAndNoTrainReports) {
-  const auto out = kOut / "recall_shards";
+  const kda::testing::ScratchDir scratch;  // this test's own folder
+  const std::filesystem::path out_root(scratch.str());
+  const auto out = out_root / "recall_shards";
   std::filesystem::remove_all(out);
   const std::string grid =
       "bench recall --quick --steps 2 --lengths 16,32 --mixers delta,kda --tasks mqar,stack "
@@ -229,7 +240,9 @@ TEST(CliBench, RecallShardsSplitTheGridAndNoTrainReports) {
 // --sweep-below A: the first call trains the first learning rate only (the others wait for its
 // runs); the next trains a second rate exactly for the cells whose first-rate accuracy is < A.
 TEST(CliBench, RecallSweepBelowTrainsOtherRatesOnlyWhereNeeded) {
-  const auto out = kOut / "recall_sweep";
+  const kda::testing::ScratchDir scratch;  // this test's own folder
+  const std::filesystem::path out_root(scratch.str());
+  const auto out = out_root / "recall_sweep";
   std::filesystem::remove_all(out);
   const std::string grid =
       "bench recall --quick --steps 3 --lengths 16,24 --mixers delta,softmax --tasks stack "
@@ -281,13 +294,15 @@ TEST(CliBench, TasksTimesEveryTaskAndHashesItsBatches) {
 }
 
 TEST(CliBench, VerifyPassesTheFixturesAndFailsABrokenFile) {
+  const kda::testing::ScratchDir scratch;  // this test's own folder
+  const std::filesystem::path out_root(scratch.str());
   const std::string ops = std::string(KDA_SHARED_DIR) + "/fixtures/ops";
   const CommandResult good = run("verify " + ops);
   EXPECT_EQ(good.status, 0) << good.output;
   EXPECT_NE(good.output.find(" 0 failed"), std::string::npos);
   // a copy of a fixture with one byte of the output changed
-  std::filesystem::create_directories(kOut);
-  const auto broken = kOut / "broken.safetensors";
+  std::filesystem::create_directories(out_root);
+  const auto broken = out_root / "broken.safetensors";
   std::filesystem::copy_file(ops + "/gdn.safetensors", broken,
                              std::filesystem::copy_options::overwrite_existing);
   std::fstream f(broken, std::ios::in | std::ios::out | std::ios::binary);
@@ -314,10 +329,12 @@ namespace {
 // A recall cell that fails inside a worker thread (here: training on a GPU this machine does not
 // have, or a build without CUDA) ends the command with one clear error, not a crash.
 TEST(CliBench, RecallOnCudaWithoutAGpuFailsCleanly) {
+  const kda::testing::ScratchDir scratch;  // this test's own folder
+  const std::filesystem::path out_root(scratch.str());
   const CommandResult r =
       run("bench recall --quick --steps 2 --lengths 64 --tasks mqar "
           "--mixers kda,softmax --jobs 2 --device cuda --out " +
-          (kOut / "recall_cuda").string());
+          (out_root / "recall_cuda").string());
   if (r.status == 0) GTEST_SKIP() << "a GPU is present: " << r.output;
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_TRUE(r.output.find("cuda") != std::string::npos ||

@@ -14,6 +14,8 @@
 #include <utility>
 #include <vector>
 
+#include "scratch_dir.h"
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -43,8 +45,8 @@ std::string loss_of(const std::string& line) {
 }
 
 TEST(CliTrain, ResumedRunMatchesTheUninterruptedOneBitForBit) {
-  const fs::path a = fs::temp_directory_path() / "kda_train_a",
-                 b = fs::temp_directory_path() / "kda_train_b";
+  const kda::testing::ScratchDir scratch;  // this test's own folder
+  const fs::path a = scratch.file("kda_train_a"), b = scratch.file("kda_train_b");
   fs::remove_all(a);
   fs::remove_all(b);
   ASSERT_EQ(run("train --out " + a.string() + " --steps 12" + kArgs), 0);
@@ -65,7 +67,8 @@ TEST(CliTrain, ResumedRunMatchesTheUninterruptedOneBitForBit) {
 }
 
 TEST(CliTrain, CtrlCSavesACheckpointThatResumes) {
-  const fs::path dir = fs::temp_directory_path() / "kda_train_sigint";
+  const kda::testing::ScratchDir scratch;  // this test's own folder
+  const fs::path dir = scratch.file("kda_train_sigint");
   fs::remove_all(dir);
   const pid_t pid = fork();
   if (pid == 0) {
@@ -104,9 +107,9 @@ const std::string kKimiArgs = " --task mqar --vocab 64 --seq-len 32 --batch 2 --
 // A Kimi Linear run (KDA, MLA, MoE with its balancing bias) resumes bit for bit, and its
 // folder, exported to bf16, runs in `kda run`.
 TEST(CliTrain, KimiLinearRunResumesExactlyAndExportsARunnableModel) {
-  const fs::path a = fs::temp_directory_path() / "kda_train_kimi_a",
-                 b = fs::temp_directory_path() / "kda_train_kimi_b",
-                 e = fs::temp_directory_path() / "kda_train_kimi_export";
+  const kda::testing::ScratchDir scratch;  // this test's own folder
+  const fs::path a = scratch.file("kda_train_kimi_a"), b = scratch.file("kda_train_kimi_b"),
+                 e = scratch.file("kda_train_kimi_export");
   for (const fs::path& p : {a, b, e}) fs::remove_all(p);
   const std::string model = " --model " + kKimiTiny + "/config.json";
   ASSERT_EQ(run("train --out " + a.string() + " --steps 6" + model + kKimiArgs), 0);
@@ -151,7 +154,8 @@ std::pair<int, std::string> run_capture(const std::string& args) {
 // Without a GPU (or without CUDA in the build), --device cuda fails with a message, never a
 // crash; a device name that does not exist is refused by name.
 TEST(CliTrain, DeviceCudaWithoutAGpuFailsCleanly) {
-  const fs::path dir = fs::temp_directory_path() / "kda_train_cuda";
+  const kda::testing::ScratchDir scratch;  // this test's own folder
+  const fs::path dir = scratch.file("kda_train_cuda");
   fs::remove_all(dir);
   const auto [code, out] =
       run_capture("train --out " + dir.string() + " --steps 2 --device cuda" + kArgs);

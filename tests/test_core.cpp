@@ -6,6 +6,7 @@
 #include "core/dtype.h"
 #include "core/safetensors.h"
 #include "core/tensor.h"
+#include "scratch_dir.h"
 
 namespace kda {
 namespace {
@@ -26,7 +27,8 @@ TEST(Core, F16RoundTrip) {
 }
 
 TEST(Safetensors, WriteThenReadRoundTrip) {
-  const auto path = std::filesystem::temp_directory_path() / "kda_test_roundtrip.safetensors";
+  const kda::testing::ScratchDir scratch;  // this test's own folder
+  const std::filesystem::path path = scratch.file("kda_test_roundtrip.safetensors");
   Tensor a = Tensor::filled({2, 3}, 1.5f);
   a.f32()[4] = -7.0f;
   Tensor b = Tensor::filled({4}, 2.0f).to(DType::bf16);

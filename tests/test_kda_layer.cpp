@@ -11,6 +11,7 @@
 #include "core/safetensors.h"
 #include "delta_rule_test_util.h"
 #include "ops/kda/kda.h"
+#include "scratch_dir.h"
 #include "verify/op_fixture.h"
 
 namespace kda {
@@ -204,6 +205,7 @@ TEST(KdaLayer, RejectsBadArguments) {
 // A fixture `kda verify` has never seen: other shapes, other name, made here by the float64
 // reference; then the same file with one output value changed must fail.
 TEST(KdaVerify, UnseenFixtureFileOfTheSameFormat) {
+  const kda::testing::ScratchDir scratch;  // this test's own folder
   const DeltaRuleShape shape{1, 77, 1, 3, 24, 40, Gate::channel, 0.2};
   const std::vector<int64_t> cu = {0, 30, 31, 77};
   auto p = testing::random_delta_problem(800, shape, cu, true);
@@ -222,7 +224,7 @@ TEST(KdaVerify, UnseenFixtureFileOfTheSameFormat) {
   Tensor cu_t(DType::i64, {4});
   std::copy(cu.begin(), cu.end(), cu_t.data<int64_t>());
   const std::map<std::string, std::string> meta = {{"op", "\"kda\""}, {"scale", "0.2"}};
-  const auto path = std::filesystem::temp_directory_path() / "kda_unseen_case.safetensors";
+  const std::filesystem::path path = scratch.file("kda_unseen_case.safetensors");
   auto write = [&] {
     write_safetensors(path.string(),
                       {{"q", &q},

@@ -20,6 +20,7 @@
 #include "core/error.h"
 #include "error_of.h"
 #include "run_command.h"
+#include "scratch_dir.h"
 #include "tokenizer/bpe.h"
 #include "tokenizer/gpt2_tokenizer.h"
 #include "tokenizer/pretokenizer.h"
@@ -311,7 +312,8 @@ TEST(TokenizerKimi, PatternSplitsLikeJavaScriptRegex) {
 fs::path write_tiny_kimi_folder(const std::string& name, const std::vector<std::string>& merges = {
                                                              "ab", "abc", "he", "ll", "hello", " w",
                                                              "or", "ld", " world", "aa", "aaaa"}) {
-  const fs::path dir = fs::temp_directory_path() / ("kda_test_tok_" + name);
+  const fs::path dir =
+      fs::temp_directory_path() / ("kda_test_tok_" + name + "_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);
   std::ofstream out(dir / "tiktoken.model");
@@ -513,9 +515,10 @@ TEST(TokenizerBpe, HeapMergeMatchesTiktokenLoop) {
 }
 
 TEST(TokenizerBpe, Gpt2RoundsMatchEncoderPyLoop) {
+  const kda::testing::ScratchDir scratch;  // this test's own folder
   std::mt19937 rng(5);
   const auto& to_unicode = gpt2_byte_to_unicode();
-  const fs::path dir = fs::temp_directory_path() / "kda_test_tok_gpt2_rounds";
+  const fs::path dir = scratch.file("kda_test_tok_gpt2_rounds");
   for (int table = 0; table < 10; ++table) {
     // vocab: the 256 byte symbols, then every merge result; merges: random, shuffled ranks.
     fs::remove_all(dir);
@@ -592,7 +595,8 @@ TEST(TokenizerBpe, Gpt2RoundsMatchEncoderPyLoop) {
 using kda::testing::error_of;
 
 TEST(TokenizerFiles, BadRankFilesNameTheFileAndLine) {
-  const fs::path dir = fs::temp_directory_path() / "kda_test_tok_bad";
+  const kda::testing::ScratchDir scratch;  // this test's own folder
+  const fs::path dir = scratch.file("kda_test_tok_bad");
   fs::remove_all(dir);
   fs::create_directories(dir);
   auto write = [&](const std::string& body) {
@@ -652,7 +656,8 @@ TEST(TokenizerFiles, BadRankFilesNameTheFileAndLine) {
 }
 
 TEST(TokenizerFiles, MissingFilesAndFolders) {
-  const fs::path dir = fs::temp_directory_path() / "kda_test_tok_missing";
+  const kda::testing::ScratchDir scratch;  // this test's own folder
+  const fs::path dir = scratch.file("kda_test_tok_missing");
   fs::remove_all(dir);
   fs::create_directories(dir);
   EXPECT_FALSE(folder_has_tokenizer(dir.string()));
@@ -671,7 +676,8 @@ TEST(TokenizerFiles, MissingFilesAndFolders) {
 }
 
 TEST(TokenizerFiles, BadGpt2FilesNameTheFileAndLine) {
-  const fs::path dir = fs::temp_directory_path() / "kda_test_tok_gpt2_bad";
+  const kda::testing::ScratchDir scratch;  // this test's own folder
+  const fs::path dir = scratch.file("kda_test_tok_gpt2_bad");
   fs::remove_all(dir);
   fs::create_directories(dir);
   std::ofstream(dir / "vocab.json") << R"({"a": 0, "b": 1, "ab": 2, "<|endoftext|>": 3})";

@@ -13,6 +13,7 @@
 
 #include "core/error.h"
 #include "core/safetensors.h"
+#include "scratch_dir.h"
 #include "train/adamw.h"
 #include "train/lineage_model.h"
 #include "train/model_factory.h"
@@ -93,6 +94,7 @@ std::vector<std::string> log_losses(const fs::path& dir) {
 }
 
 TEST(TrainDevice, TrainerGoesThroughTheDeviceHooksOnly) {
+  const kda::testing::ScratchDir scratch;  // this test's own folder
   train::register_training_device(
       "mirror", [](const nlohmann::json&, std::unique_ptr<train::TrainableModel> host) {
         auto* lineage = dynamic_cast<LineageModel*>(host.release());
@@ -100,8 +102,8 @@ TEST(TrainDevice, TrainerGoesThroughTheDeviceHooksOnly) {
         return std::unique_ptr<train::TrainableModel>(
             std::make_unique<MirrorModel>(std::unique_ptr<LineageModel>(lineage)));
       });
-  const fs::path cpu = fs::temp_directory_path() / "kda_train_device_cpu",
-                 mirror = fs::temp_directory_path() / "kda_train_device_mirror";
+  const fs::path cpu = scratch.file("kda_train_device_cpu"),
+                 mirror = scratch.file("kda_train_device_mirror");
   fs::remove_all(cpu);
   fs::remove_all(mirror);
   {
@@ -136,7 +138,8 @@ TEST(TrainDevice, TrainerGoesThroughTheDeviceHooksOnly) {
 }
 
 TEST(TrainDevice, UnknownDeviceIsRefusedByName) {
-  const fs::path dir = fs::temp_directory_path() / "kda_train_device_unknown";
+  const kda::testing::ScratchDir scratch;  // this test's own folder
+  const fs::path dir = scratch.file("kda_train_device_unknown");
   fs::remove_all(dir);
   try {
     train::Trainer t(settings("tpu"), dir.string());
