@@ -413,30 +413,10 @@ std::vector<json> events(const std::string& body) {
   return out;
 }
 
-// A tokenizer with a simple chat template, around the model's own (which has none).
-class ChatTokenizer : public tokenizer::Tokenizer {
+// The model's tokenizer, passed through: the tests' variants below override one call each.
+class WrappedTokenizer : public tokenizer::Tokenizer {
  public:
-  explicit ChatTokenizer(const tokenizer::Tokenizer& inner) : inner_(inner) {}
-  std::vector<int32_t> encode(const std::string& text, bool allow_special) const override {
-    return inner_.encode(text, allow_special);
-  }
-  std::string decode(const std::vector<int32_t>& ids) const override { return inner_.decode(ids); }
-  int64_t vocab_size() const override { return inner_.vocab_size(); }
-  std::string apply_chat_template(const std::vector<tokenizer::ChatMessage>& m) const override {
-    std::string out;
-    for (const auto& x : m) out += x.role + ": " + x.content + "\n";
-    return out + "assistant:";
-  }
-  std::vector<int32_t> stop_ids() const override { return inner_.stop_ids(); }
-
- private:
-  const tokenizer::Tokenizer& inner_;
-};
-
-// The model's tokenizer without stop tokens: a sampled end-of-text cannot end a request early.
-class NoStopTokenizer : public tokenizer::Tokenizer {
- public:
-  explicit NoStopTokenizer(const tokenizer::Tokenizer& inner) : inner_(inner) {}
+  explicit WrappedTokenizer(const tokenizer::Tokenizer& inner) : inner_(inner) {}
   std::vector<int32_t> encode(const std::string& text, bool allow_special) const override {
     return inner_.encode(text, allow_special);
   }
@@ -445,10 +425,28 @@ class NoStopTokenizer : public tokenizer::Tokenizer {
   std::string apply_chat_template(const std::vector<tokenizer::ChatMessage>& m) const override {
     return inner_.apply_chat_template(m);
   }
-  std::vector<int32_t> stop_ids() const override { return {}; }
+  std::vector<int32_t> stop_ids() const override { return inner_.stop_ids(); }
 
  private:
   const tokenizer::Tokenizer& inner_;
+};
+
+// A simple chat template around the model's own tokenizer (which has none).
+class ChatTokenizer : public WrappedTokenizer {
+ public:
+  using WrappedTokenizer::WrappedTokenizer;
+  std::string apply_chat_template(const std::vector<tokenizer::ChatMessage>& m) const override {
+    std::string out;
+    for (const auto& x : m) out += x.role + ": " + x.content + "\n";
+    return out + "assistant:";
+  }
+};
+
+// Without stop tokens: a sampled end-of-text cannot end a request early.
+class NoStopTokenizer : public WrappedTokenizer {
+ public:
+  using WrappedTokenizer::WrappedTokenizer;
+  std::vector<int32_t> stop_ids() const override { return {}; }
 };
 
 class ServerHttp : public ::testing::Test {
