@@ -15,7 +15,8 @@
 //      dbeta = rowsum(dL * A) + rowsum(dVb * v) - rowsum((dVb S0^T) * Kt)
 // KDA's pairwise decays use chunk_prepare's anchors (first row of each 16-row block): the
 // operands carry factors <= 1 or bounded by 15 tokens of decay; a chunk whose decay leaves that
-// range (raw g, the softplus gate) forms step 4 elementwise in fp32 instead (exact_pairs).
+// range (raw g, the softplus gate) forms step 4 with no factor above 1 instead (exact_pairs:
+// off-diagonal blocks on the tensor cores, the diagonal blocks elementwise in fp32).
 // Scalar gates fold the decay into dAqk / dAkk. Products on bf16 tensor cores with fp32
 // accumulation; G, dq, dk, dG fp32.
 //
@@ -95,7 +96,7 @@ __device__ __forceinline__ void add_rows(float* dst, int r0, float lo, float hi,
   }
 }
 
-// Step 4 of a wide chunk (EXACT with BLOCKED), blockwise: the warp's rows i lie in the 16-row
+// Step 4 of a wide chunk (EXACT), blockwise: the warp's rows i lie in the 16-row
 // block wm (anchor a = m0, its first row), so
 //   4a / 4b (dq_i, a_i over j <= i): for blocks J < wm the B operand k_j 2^(G_a - G_j) (<= 1:
 //     G falls along the chunk) is formed as its fragment is loaded and the product runs on the
@@ -104,7 +105,9 @@ __device__ __forceinline__ void add_rows(float* dst, int r0, float lo, float hi,
 //     with b = m0 + 16 (the next block's first row; <= 1), the row scale 2^(G_b - G_j) (<= 1)
 //     after; the diagonal block elementwise.
 // No factor exceeds 1, so nothing overflows however wide the decay (rows past the chunk's end
-// hold G constant). The elementwise path pays ~64 exp2 an element and pair list; this one 16.
+// hold G constant). Measured on the H200 (session 25): the softplus-wide KDA layer fwd+bwd at
+// 8 x 2048 took 18.7 ms with step 4 wholly elementwise (~64 exp2 an element and pair list), 15.0
+// ms with this (16).
 template <int K>
 __device__ __forceinline__ void exact_pairs_blocked(const bf16* sq, const bf16* sk, const float* sG,
                                                     const bf16* sdAqk, const bf16* sdAkk,
@@ -215,12 +218,10 @@ __device__ __forceinline__ void exact_pairs_blocked(const bf16* sq, const bf16* 
 }
 
 // One (chunk, value head). EXACT (KDA only, unless the gate is bounded inside the split's range:
-// decay_within_split): the instance with the elementwise step 4 for wide-decay chunks; a
-// separate instance, so that the default one keeps its registers (the extra branch costs the
-// K = 128 instance ~40 bytes of spills). BLOCKED (EXACT only; the kernel-lab knob
-// KDA_BWD_EXACT_BLOCKED=1): the wide chunks' pairwise terms blockwise instead of elementwise (see
-// step 4).
-template <Gate GATE, int K, int V, bool EXACT, bool BLOCKED = false>
+// decay_within_split): the instance whose step 4 forms wide-decay chunks' pairwise terms with no
+// factor above 1 (exact_pairs_blocked); a separate instance, so that the default one keeps its
+// registers (the extra branch costs the K = 128 instance ~40 bytes of spills).
+template <Gate GATE, int K, int V, bool EXACT>
 __device__ __forceinline__ void bwd_local_chunk(const ChunkTokens& x, const ChunkWorkspace& ws,
                                                 const ChunkGrads& gd, const int64_t chunk,
                                                 const int hv) {
@@ -652,7 +653,7 @@ __device__ __forceinline__ void bwd_local_chunk(const ChunkTokens& x, const Chun
   }
   __syncthreads();
   // The EXACT instance: a chunk whose decay leaves the anchors' split (the test
-  // chunk_prepare flags chunks by) forms step 4's pairwise terms elementwise in fp32 instead
+  // chunk_prepare flags chunks by) forms step 4's pairwise terms by exact_pairs_blocked instead
   bool exact_pairs = false;
   if constexpr (kChannel && EXACT) {
     bool wide = false;
@@ -829,36 +830,8 @@ __device__ __forceinline__ void bwd_local_chunk(const ChunkTokens& x, const Chun
           dG[nt][e] -= bf(sk + r * LDK + c) * v;
         }
     }
-  } else if constexpr (BLOCKED) {
-    exact_pairs_blocked<K>(sq, sk, sG, sdAqk, sdAkk, dq, dk, dG, fr, wm, m0, kb, lane);
   } else {
-    // elementwise (exact_pairs, KDA only): dq_i += sum_{j <= i} dAqk_ij k_j 2^(G_i - G_j),
-    // a_i = sum_{j < i} dAkk_ij k_j 2^(G_i - G_j), b_j = sum_{i >= j} (dAqk_ij q_i + dAkk_ij k_i)
-    // 2^(G_i - G_j): every factor <= 1 (the anchored operands above would overflow here)
-    // (nt, e) unrolled: dq / dk / dG indexed at run time would move them to local memory for
-    // the whole kernel (the fast path's too)
-#pragma unroll
-    for (int nt = 0; nt < NTK; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = fr.row(m0, e), c = fr.col(kb, nt, e);
-        const float g_r = sG[r * LDG + c];
-        float pq = 0.f, pa = 0.f, pb = 0.f;
-        for (int j = 0; j <= r; ++j) {
-          const float kd = bf(sk + j * LDK + c) * exp2f(g_r - sG[j * LDG + c]);
-          pq += bf(sdAqk + r * LDC + j) * kd;
-          if (j < r) pa += bf(sdAkk + r * LDC + j) * kd;
-        }
-        for (int i = r; i < C; ++i) {
-          float t = bf(sdAqk + i * LDC + r) * bf(sq + i * LDK + c);
-          if (i > r) t += bf(sdAkk + i * LDC + r) * bf(sk + i * LDK + c);
-          pb += t * exp2f(sG[i * LDG + c] - g_r);
-        }
-        dq[nt][e] += pq;
-        dk[nt][e] += pa + pb;
-        dG[nt][e] += bf(sk + r * LDK + c) * (pa - pb);
-      }
-    }
+    exact_pairs_blocked<K>(sq, sk, sG, sdAqk, sdAkk, dq, dk, dG, fr, wm, m0, kb, lane);
   }
 
   // ---- step 5: dG += q dq; write dq, dk; dg by reverse cumulative sum; dbeta ----
@@ -973,9 +946,9 @@ __device__ __forceinline__ void bwd_local_chunk(const ChunkTokens& x, const Chun
 
 // With ws.wide_flag (KDA chunks tested for wide decays by chunk_prepare): the default instance
 // takes the grid's unflagged chunks and the EXACT instance, on a grid of its own, walks the
-// list of the flagged ones; so only wide chunks pay for the elementwise path. Without it: the
+// list of the flagged ones; so only wide chunks pay for the exact path. Without it: the
 // grid's every chunk, in either instance.
-template <Gate GATE, int K, int V, bool EXACT, bool BLOCKED>
+template <Gate GATE, int K, int V, bool EXACT>
 __global__ void __launch_bounds__(kThreads, 1)
     chunk_bwd_local_kernel(const ChunkTokens x, const ChunkWorkspace ws, const ChunkGrads gd) {
   if constexpr (EXACT) {                          // one loop, so that the body is inlined once
@@ -986,8 +959,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const unsigned n = listed ? min(*ws.wide_count, entries) : 1u, step = listed ? gridDim.x : 1u;
     for (unsigned e = listed ? blockIdx.x : 0u; e < n; e += step) {
       const unsigned entry = listed ? ws.wide_list[e] : blockIdx.x * unsigned(x.HV) + blockIdx.y;
-      bwd_local_chunk<GATE, K, V, true, BLOCKED>(x, ws, gd, entry / unsigned(x.HV),
-                                                 int(entry % unsigned(x.HV)));
+      bwd_local_chunk<GATE, K, V, true>(x, ws, gd, entry / unsigned(x.HV),
+                                        int(entry % unsigned(x.HV)));
       __syncthreads();  // the next chunk reuses the shared memory
     }
   } else {
@@ -996,7 +969,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-template <Gate GATE, int K, int V, bool EXACT, bool BLOCKED>
+template <Gate GATE, int K, int V, bool EXACT>
 void launch(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd,
             cudaStream_t stream) {
   using L = LocalLayout<GATE, K, V>;
@@ -1004,7 +977,7 @@ void launch(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd
   constexpr size_t most = kChannel ? L::total_layer : L::total;
   static_assert(most <= 227 * 1024, "chunk_bwd_local: shared memory");
   static const bool configured = [] {
-    check_cuda(cudaFuncSetAttribute(chunk_bwd_local_kernel<GATE, K, V, EXACT, BLOCKED>,
+    check_cuda(cudaFuncSetAttribute(chunk_bwd_local_kernel<GATE, K, V, EXACT>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, int(most)),
                "chunk_bwd_local shared memory limit");
     return true;
@@ -1016,16 +989,16 @@ void launch(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd
                         ? dim3(unsigned(std::min<int64_t>(all, std::max(1, device_sm_count()))))
                         : dim3(unsigned(ws.num_chunks), unsigned(x.HV));
   const size_t bytes = kChannel && x.layer.gate ? L::total_layer : L::total;
-  chunk_bwd_local_kernel<GATE, K, V, EXACT, BLOCKED><<<grid, kThreads, bytes, stream>>>(x, ws, gd);
+  chunk_bwd_local_kernel<GATE, K, V, EXACT><<<grid, kThreads, bytes, stream>>>(x, ws, gd);
   check_launch("chunk_bwd_local kernel");
 }
 
-template <Gate GATE, bool EXACT = false, bool BLOCKED = false>
+template <Gate GATE, bool EXACT = false>
 void launch_kv(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd, int K, int V,
                cudaStream_t stream) {
-  if (K == 128 && V == 128) return launch<GATE, 128, 128, EXACT, BLOCKED>(x, ws, gd, stream);
+  if (K == 128 && V == 128) return launch<GATE, 128, 128, EXACT>(x, ws, gd, stream);
   require(K == 64 && V == 64, "chunk_bwd_local: K = V = 64 or 128");
-  return launch<GATE, 64, 64, EXACT, BLOCKED>(x, ws, gd, stream);
+  return launch<GATE, 64, 64, EXACT>(x, ws, gd, stream);
 }
 
 // One thread per 4 channels of one (token, q / k head) row; a row's K / 4 threads are adjacent
@@ -1105,14 +1078,7 @@ void launch_chunk_bwd_local(const ChunkTokens& x, const ChunkWorkspace& ws, cons
     const char* knob = std::getenv("KDA_BWD_EXACT_ALL");
     return knob && knob[0] == '1';
   }();
-  // Kernel-lab knob KDA_BWD_EXACT_BLOCKED=1: the EXACT instance's pairwise terms blockwise
-  // (exact_pairs_blocked; compiled in session 23, not yet measured)
-  static const bool blocked = [] {
-    const char* knob = std::getenv("KDA_BWD_EXACT_BLOCKED");
-    return knob && knob[0] == '1';
-  }();
   const auto launch_exact = [&](const ChunkWorkspace& w) {
-    if (blocked) return launch_kv<Gate::channel, true, true>(x, w, gd, K, V, stream);
     return launch_kv<Gate::channel, true>(x, w, gd, K, V, stream);
   };
   ChunkWorkspace w = ws;

@@ -67,7 +67,6 @@ struct RecurrentParams {
   // decode with programmatic dependent launch and DecodeArgs::prefetch_state: the state (and the
   // slot indices) are read before waiting for the previous kernel on the stream
   bool state_before_wait = false;
-  int64_t head_units = 0;  // decode_head_kernel: (sequence, value head) pairs, B * HV
 };
 
 // A state row read once, through L2 only (ld.global.cg): no L1 line is kept, and none that an
@@ -253,10 +252,7 @@ __device__ __forceinline__ void store4_streaming(float* p, const float v[4]) {
                "f"(v[2]), "f"(v[3]));
 }
 
-// LOOP (the kernel-lab knob KDA_DECODE_HEAD_GRID): a 1-D grid smaller than the B * HV units,
-// each block taking units in turn; otherwise a block per unit on a (HV, B) grid, the loop's body
-// run once (a template flag: the loop's counters made the K = 128 instantiation spill).
-template <class Tin, Gate GATE, int K, bool LOOP>
+template <class Tin, Gate GATE, int K>
 __global__ void __launch_bounds__(kHeadThreads, 4) decode_head_kernel(const RecurrentParams p) {
   using L = HeadLayout<K>;
   constexpr int V = kHeadV, RR = L::kRegPerWarp, RS = L::kSmemPerWarp;
@@ -273,8 +269,19 @@ __global__ void __launch_bounds__(kHeadThreads, 4) decode_head_kernel(const Recu
   __shared__ alignas(8) uint64_t bar;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const int hv = blockIdx.x;
+  const int64_t n = blockIdx.y;
+  const int h = hv / (p.HV / p.H);
+  const int64_t state_index = p.slots ? int64_t(p.slots[n]) : n;
+  const size_t state_off = (size_t(state_index) * p.HV + hv) * size_t(K) * V;
+  const float* src = p.h_in + state_off;
+  // the new state: in place, or to the token's slot (one token per sequence here)
+  const int64_t out_index = p.token_slots ? int64_t(p.token_slots[n]) : state_index;
+
+  // Every state byte is requested first: the shared-memory rows by one bulk copy, then the
+  // register rows (RR independent 16-byte loads per thread, one 512-byte row per warp each).
   if constexpr (L::kSmemRows > 0) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (tid == 0) {
       mbar_init(&bar, 1);
       mbar_init_fence();
@@ -283,156 +290,127 @@ __global__ void __launch_bounds__(kHeadThreads, 4) decode_head_kernel(const Recu
     // it racecheck reports the init against the same thread's expect_tx (session 16: the B = 16
     // rows are unchanged with the barrier)
     __syncthreads();
-  }
-#endif
-
-  // One (sequence, value head) a unit: a block per unit by default (one wave at B = 16); with
-  // LOOP a block takes units in turn, so that the next step's blocks can be resident beside
-  // this step's.
-  const int64_t units = LOOP ? p.head_units : 1;
-  uint32_t iteration = 0;
-  for (int64_t unit = LOOP ? blockIdx.x : 0; unit < units; unit += gridDim.x, ++iteration) {
-    const int hv = LOOP ? int(unit % p.HV) : int(blockIdx.x);
-    const int64_t n = LOOP ? unit / p.HV : int64_t(blockIdx.y);
-    const int h = hv / (p.HV / p.H);
-    const int64_t state_index = p.slots ? int64_t(p.slots[n]) : n;
-    const size_t state_off = (size_t(state_index) * p.HV + hv) * size_t(K) * V;
-    const float* src = p.h_in + state_off;
-    // the new state: in place, or to the token's slot (one token per sequence here)
-    const int64_t out_index = p.token_slots ? int64_t(p.token_slots[n]) : state_index;
-    // the previous unit's shared rows and staged vectors are read by every thread before the
-    // copy engine and the staging overwrite them
-    if (iteration > 0) __syncthreads();
-
-    // Every state byte is requested first: the shared-memory rows by one bulk copy, then the
-    // register rows (RR independent 16-byte loads per thread, one 512-byte row per warp each).
-    if constexpr (L::kSmemRows > 0) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      if (tid == 0) {
-        // the copy engine writes through the async proxy: the previous unit's reads first
-        if (iteration > 0) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        mbar_expect_tx(&bar, uint32_t(sizeof rows_smem));
-        bulk_copy(rows_smem, src + size_t(L::kRegRows) * V, uint32_t(sizeof rows_smem), &bar);
-      }
+    if (tid == 0) {
+      mbar_expect_tx(&bar, uint32_t(sizeof rows_smem));
+      bulk_copy(rows_smem, src + size_t(L::kRegRows) * V, uint32_t(sizeof rows_smem), &bar);
+    }
 #else
-      for (int i = tid; i < L::kSmemRows * V / 4; i += kHeadThreads)
-        reinterpret_cast<float4*>(rows_smem)[i] =
-            reinterpret_cast<const float4*>(src + size_t(L::kRegRows) * V)[i];
+    for (int i = tid; i < L::kSmemRows * V / 4; i += kHeadThreads)
+      reinterpret_cast<float4*>(rows_smem)[i] =
+          reinterpret_cast<const float4*>(src + size_t(L::kRegRows) * V)[i];
 #endif
-    }
-    float s[RR][4];
+  }
+  float s[RR][4];
 #pragma unroll
-    for (int r = 0; r < RR; ++r) load4_l2(src + size_t(warp * RR + r) * V + lane * 4, s[r]);
-    // prefetch_state: the state is in flight; the token's vectors come from the previous kernel
-    if (p.state_before_wait && iteration == 0) wait_for_previous_kernel();
+  for (int r = 0; r < RR; ++r) load4_l2(src + size_t(warp * RR + r) * V + lane * 4, s[r]);
+  // prefetch_state: the state is in flight; the token's vectors come from the previous kernel
+  if (p.state_before_wait) wait_for_previous_kernel();
 
-    // The token's vectors, staged in shared memory (registers are for the state): thread `row`
-    // < K takes q, k and the gate of its row (and q.k, summed per warp); the second half of the
-    // block takes v; thread 0 beta.
-    const size_t head = size_t(n) * p.HV + hv;
-    if (tid < K) {
-      const Tin* q = static_cast<const Tin*>(p.q);
-      const Tin* k = static_cast<const Tin*>(p.k);
-      const Tin* g = static_cast<const Tin*>(p.g);
-      const size_t qk_off = (size_t(n) * p.H + h) * K + tid;
-      const float qv = to_f32(q[qk_off]), kv = to_f32(k[qk_off]);
-      float decay = 1.f;
-      if constexpr (GATE == Gate::channel) decay = fast_exp2(to_f32(g[head * K + tid]) * kLog2e);
-      if constexpr (GATE == Gate::scalar) decay = fast_exp2(to_f32(g[head]) * kLog2e);
-      k_s[tid] = kv;
-      kd_s[tid] = kv * decay;
-      qd_s[tid] = qv * decay;
-      decay_s[tid] = decay;
-      float qk = qv * kv;
+  // The token's vectors, staged in shared memory (registers are for the state): thread `row`
+  // < K takes q, k and the gate of its row (and q.k, summed per warp); the second half of the
+  // block takes v; thread 0 beta.
+  const size_t head = size_t(n) * p.HV + hv;
+  if (tid < K) {
+    const Tin* q = static_cast<const Tin*>(p.q);
+    const Tin* k = static_cast<const Tin*>(p.k);
+    const Tin* g = static_cast<const Tin*>(p.g);
+    const size_t qk_off = (size_t(n) * p.H + h) * K + tid;
+    const float qv = to_f32(q[qk_off]), kv = to_f32(k[qk_off]);
+    float decay = 1.f;
+    if constexpr (GATE == Gate::channel) decay = fast_exp2(to_f32(g[head * K + tid]) * kLog2e);
+    if constexpr (GATE == Gate::scalar) decay = fast_exp2(to_f32(g[head]) * kLog2e);
+    k_s[tid] = kv;
+    kd_s[tid] = kv * decay;
+    qd_s[tid] = qv * decay;
+    decay_s[tid] = decay;
+    float qk = qv * kv;
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) qk += __shfl_xor_sync(0xffffffffu, qk, off);
-      if (lane == 0) part_qk[warp] = qk;
-      if (tid == 0) beta_s = to_f32(static_cast<const Tin*>(p.beta)[head]);
-    }
-    if (tid >= kHeadThreads / 2)
-      v_s[tid - kHeadThreads / 2] =
-          to_f32(static_cast<const Tin*>(p.v)[head * V + tid - kHeadThreads / 2]);
-    __syncthreads();  // the staged vectors visible
+    for (int off = 16; off > 0; off >>= 1) qk += __shfl_xor_sync(0xffffffffu, qk, off);
+    if (lane == 0) part_qk[warp] = qk;
+    if (tid == 0) beta_s = to_f32(static_cast<const Tin*>(p.beta)[head]);
+  }
+  if (tid >= kHeadThreads / 2)
+    v_s[tid - kHeadThreads / 2] =
+        to_f32(static_cast<const Tin*>(p.v)[head * V + tid - kHeadThreads / 2]);
+  __syncthreads();  // the staged vectors (and the mbarrier's initialisation) visible
 
-    // Partial k^T P and q^T P over this warp's rows, P = diag(decay) S: (k decay)^T S.
-    float ak[4] = {0.f, 0.f, 0.f, 0.f}, aq[4] = {0.f, 0.f, 0.f, 0.f};
+  // Partial k^T P and q^T P over this warp's rows, P = diag(decay) S: (k decay)^T S.
+  float ak[4] = {0.f, 0.f, 0.f, 0.f}, aq[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int r = 0; r < RR; ++r) {
-      const int row = warp * RR + r;
-      const float kd = kd_s[row], qd = qd_s[row];
+  for (int r = 0; r < RR; ++r) {
+    const int row = warp * RR + r;
+    const float kd = kd_s[row], qd = qd_s[row];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        ak[c] += kd * s[r][c];
-        aq[c] += qd * s[r][c];
-      }
+    for (int c = 0; c < 4; ++c) {
+      ak[c] += kd * s[r][c];
+      aq[c] += qd * s[r][c];
     }
-    if constexpr (RS > 0) {
+  }
+  if constexpr (RS > 0) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      mbar_wait(&bar, iteration & 1);
+    mbar_wait(&bar, 0);
 #endif
-#pragma unroll 2
-      for (int r = 0; r < RS; ++r) {
-        const int j = warp * RS + r, row = L::kRegRows + j;
-        const float kd = kd_s[row], qd = qd_s[row];
-        const float4 x = reinterpret_cast<const float4*>(rows_smem)[j * (V / 4) + lane];
-        ak[0] += kd * x.x, ak[1] += kd * x.y, ak[2] += kd * x.z, ak[3] += kd * x.w;
-        aq[0] += qd * x.x, aq[1] += qd * x.y, aq[2] += qd * x.z, aq[3] += qd * x.w;
-      }
-    }
-    // Cross-warp sums: thread t adds the 8 warps' partials of one (quantity, column).
-    reinterpret_cast<float4*>(part[0][warp])[lane] = make_float4(ak[0], ak[1], ak[2], ak[3]);
-    reinterpret_cast<float4*>(part[1][warp])[lane] = make_float4(aq[0], aq[1], aq[2], aq[3]);
-    __syncthreads();
-    {
-      const int which = tid / V, col = tid % V;
-      float sum = 0.f;
-#pragma unroll
-      for (int w = 0; w < 8; ++w) sum += part[which][w][col];
-      total[which][col] = sum;
-      if (tid == 0) {
-        float all = 0.f;
-#pragma unroll
-        for (int w = 0; w < K / 32; ++w) all += part_qk[w];
-        qk_total = all;
-      }
-    }
-    __syncthreads();
-
-    //   d = beta (v - P^T k),   o = scale (P^T q + (q.k) d),   S = P + k d^T (in place)
-    float d[4];
-    {
-      const float4 kp = reinterpret_cast<const float4*>(total[0])[lane];
-      const float4 v4 = reinterpret_cast<const float4*>(v_s)[lane];
-      const float b = beta_s;
-      d[0] = b * (v4.x - kp.x), d[1] = b * (v4.y - kp.y);
-      d[2] = b * (v4.z - kp.z), d[3] = b * (v4.w - kp.w);
-    }
-    if (warp == 0) {
-      const float4 qp = reinterpret_cast<const float4*>(total[1])[lane];
-      const float qk = qk_total;
-      const float out[4] = {p.scale * (qp.x + qk * d[0]), p.scale * (qp.y + qk * d[1]),
-                            p.scale * (qp.z + qk * d[2]), p.scale * (qp.w + qk * d[3])};
-      store4(static_cast<Tin*>(p.o) + head * V + lane * 4, out);
-    }
-    float* dst = p.h_out + (size_t(out_index) * p.HV + hv) * size_t(K) * V;
-#pragma unroll
-    for (int r = 0; r < RR; ++r) {
-      const int row = warp * RR + r;
-      const float kv = k_s[row], decay = decay_s[row];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) s[r][c] = s[r][c] * decay + kv * d[c];
-      store4_streaming(dst + size_t(row) * V + lane * 4, s[r]);
-    }
 #pragma unroll 2
     for (int r = 0; r < RS; ++r) {
       const int j = warp * RS + r, row = L::kRegRows + j;
-      const float kv = k_s[row], decay = decay_s[row];
+      const float kd = kd_s[row], qd = qd_s[row];
       const float4 x = reinterpret_cast<const float4*>(rows_smem)[j * (V / 4) + lane];
-      const float y[4] = {x.x * decay + kv * d[0], x.y * decay + kv * d[1], x.z * decay + kv * d[2],
-                          x.w * decay + kv * d[3]};
-      store4_streaming(dst + size_t(row) * V + lane * 4, y);
+      ak[0] += kd * x.x, ak[1] += kd * x.y, ak[2] += kd * x.z, ak[3] += kd * x.w;
+      aq[0] += qd * x.x, aq[1] += qd * x.y, aq[2] += qd * x.z, aq[3] += qd * x.w;
     }
-    if constexpr (!LOOP) break;
+  }
+  // Cross-warp sums: thread t adds the 8 warps' partials of one (quantity, column).
+  reinterpret_cast<float4*>(part[0][warp])[lane] = make_float4(ak[0], ak[1], ak[2], ak[3]);
+  reinterpret_cast<float4*>(part[1][warp])[lane] = make_float4(aq[0], aq[1], aq[2], aq[3]);
+  __syncthreads();
+  {
+    const int which = tid / V, col = tid % V;
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) sum += part[which][w][col];
+    total[which][col] = sum;
+    if (tid == 0) {
+      float all = 0.f;
+#pragma unroll
+      for (int w = 0; w < K / 32; ++w) all += part_qk[w];
+      qk_total = all;
+    }
+  }
+  __syncthreads();
+
+  //   d = beta (v - P^T k),   o = scale (P^T q + (q.k) d),   S = P + k d^T (in place)
+  float d[4];
+  {
+    const float4 kp = reinterpret_cast<const float4*>(total[0])[lane];
+    const float4 v4 = reinterpret_cast<const float4*>(v_s)[lane];
+    const float b = beta_s;
+    d[0] = b * (v4.x - kp.x), d[1] = b * (v4.y - kp.y);
+    d[2] = b * (v4.z - kp.z), d[3] = b * (v4.w - kp.w);
+  }
+  if (warp == 0) {
+    const float4 qp = reinterpret_cast<const float4*>(total[1])[lane];
+    const float qk = qk_total;
+    const float out[4] = {p.scale * (qp.x + qk * d[0]), p.scale * (qp.y + qk * d[1]),
+                          p.scale * (qp.z + qk * d[2]), p.scale * (qp.w + qk * d[3])};
+    store4(static_cast<Tin*>(p.o) + head * V + lane * 4, out);
+  }
+  float* dst = p.h_out + (size_t(out_index) * p.HV + hv) * size_t(K) * V;
+#pragma unroll
+  for (int r = 0; r < RR; ++r) {
+    const int row = warp * RR + r;
+    const float kv = k_s[row], decay = decay_s[row];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) s[r][c] = s[r][c] * decay + kv * d[c];
+    store4_streaming(dst + size_t(row) * V + lane * 4, s[r]);
+  }
+#pragma unroll 2
+  for (int r = 0; r < RS; ++r) {
+    const int j = warp * RS + r, row = L::kRegRows + j;
+    const float kv = k_s[row], decay = decay_s[row];
+    const float4 x = reinterpret_cast<const float4*>(rows_smem)[j * (V / 4) + lane];
+    const float y[4] = {x.x * decay + kv * d[0], x.y * decay + kv * d[1], x.z * decay + kv * d[2],
+                        x.w * decay + kv * d[3]};
+    store4_streaming(dst + size_t(row) * V + lane * 4, y);
   }
 }
 
@@ -491,9 +469,9 @@ void launch_kernel(dim3 grid, const RecurrentParams& p, bool overlap, cudaStream
                           stream, p);
 }
 
-template <class Tin, Gate GATE, int K, bool LOOP>
+template <class Tin, Gate GATE, int K>
 void launch_head_kernel(dim3 grid, const RecurrentParams& p, bool overlap, cudaStream_t stream) {
-  const auto kernel = decode_head_kernel<Tin, GATE, K, LOOP>;
+  const auto kernel = decode_head_kernel<Tin, GATE, K>;
   // 4 blocks x 44.6 KB of static shared memory per SM: left to the driver, whose default
   // carveout is sized to avoid a shared-memory occupancy limit (expected: 196 of the 228 KB,
   // leaving 60 KB of L1 for the register rows' loads). Kernel-lab knob:
@@ -510,32 +488,28 @@ void launch_head_kernel(dim3 grid, const RecurrentParams& p, bool overlap, cudaS
 }
 
 template <class Tin, Gate GATE>
-void launch_head_for_k(int K, dim3 grid, bool loop, const RecurrentParams& p, bool overlap,
+void launch_head_for_k(int K, dim3 grid, const RecurrentParams& p, bool overlap,
                        cudaStream_t stream) {
   if (K == 128)
-    loop ? launch_head_kernel<Tin, GATE, 128, true>(grid, p, overlap, stream)
-         : launch_head_kernel<Tin, GATE, 128, false>(grid, p, overlap, stream);
+    launch_head_kernel<Tin, GATE, 128>(grid, p, overlap, stream);
   else if (K == 64)
-    loop ? launch_head_kernel<Tin, GATE, 64, true>(grid, p, overlap, stream)
-         : launch_head_kernel<Tin, GATE, 64, false>(grid, p, overlap, stream);
+    launch_head_kernel<Tin, GATE, 64>(grid, p, overlap, stream);
   else
-    loop ? launch_head_kernel<Tin, GATE, 32, true>(grid, p, overlap, stream)
-         : launch_head_kernel<Tin, GATE, 32, false>(grid, p, overlap, stream);
+    launch_head_kernel<Tin, GATE, 32>(grid, p, overlap, stream);
 }
 
-// loop: a 1-D grid smaller than p.head_units whose blocks take units in turn (the LOOP instance)
 template <class Tin>
-void launch_head_for_gate(Gate gate, int K, dim3 grid, bool loop, const RecurrentParams& p,
-                          bool overlap, cudaStream_t stream) {
+void launch_head_for_gate(Gate gate, int K, dim3 grid, const RecurrentParams& p, bool overlap,
+                          cudaStream_t stream) {
   switch (gate) {
     case Gate::channel:
-      launch_head_for_k<Tin, Gate::channel>(K, grid, loop, p, overlap, stream);
+      launch_head_for_k<Tin, Gate::channel>(K, grid, p, overlap, stream);
       break;
     case Gate::scalar:
-      launch_head_for_k<Tin, Gate::scalar>(K, grid, loop, p, overlap, stream);
+      launch_head_for_k<Tin, Gate::scalar>(K, grid, p, overlap, stream);
       break;
     case Gate::none:
-      launch_head_for_k<Tin, Gate::none>(K, grid, loop, p, overlap, stream);
+      launch_head_for_k<Tin, Gate::none>(K, grid, p, overlap, stream);
       break;
   }
 }
@@ -699,22 +673,11 @@ void decode_step(const DecodeArgs& a, cudaStream_t stream) {
   require(s.B <= 65535, "delta rule decode (cuda): at most 65535 sequences per call");
   require(aligned16(a.state_pool),
           "delta rule decode (cuda): the head kernel needs a 16-byte aligned state_pool");
-  p.head_units = s.B * s.HV;
-  // A block per (sequence, value head). Kernel-lab knob: KDA_DECODE_HEAD_GRID=<blocks> caps the
-  // grid (blocks then take units in turn): e.g. 2 blocks an SM, to test whether a step whose
-  // blocks leave half of each SM free overlaps the next step (programmatic launch) better than
-  // one full wave does. Small values also exercise the loop in the checks.
-  dim3 grid(unsigned(s.HV), unsigned(s.B));
-  bool loop = false;
-  if (const char* knob = std::getenv("KDA_DECODE_HEAD_GRID");
-      knob && std::atoll(knob) > 0 && std::atoll(knob) < p.head_units) {
-    grid = dim3(static_cast<unsigned>(std::atoll(knob)));
-    loop = true;
-  }
+  const dim3 grid(unsigned(s.HV), unsigned(s.B));
   if (a.dtype == ElementType::bf16)
-    launch_head_for_gate<__nv_bfloat16>(s.gate, int(s.K), grid, loop, p, overlap, stream);
+    launch_head_for_gate<__nv_bfloat16>(s.gate, int(s.K), grid, p, overlap, stream);
   else
-    launch_head_for_gate<float>(s.gate, int(s.K), grid, loop, p, overlap, stream);
+    launch_head_for_gate<float>(s.gate, int(s.K), grid, p, overlap, stream);
   check_launch("delta rule decode head kernel");
 }
 
