@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "model/causal_lm.h"
+#include "runtime/next_token_loss.h"
 #include "runtime/sampling.h"
 #include "tokenizer/tokenizer.h"
 
@@ -25,26 +26,13 @@ const char* kHeldOut =
     "the city could not afford another increase in taxes, and the mayor agreed to review the "
     "plan before the next meeting. The report will be published later this year.";
 
-double mean_next_token_loss(const Tensor& logits, const std::vector<int32_t>& ids) {
-  const int64_t V = logits.dim(1);
-  double total = 0;
-  for (size_t t = 0; t + 1 < ids.size(); ++t) {
-    const float* row = logits.f32() + int64_t(t) * V;
-    double top = row[0], sum = 0;
-    for (int64_t v = 1; v < V; ++v) top = std::max(top, double(row[v]));
-    for (int64_t v = 0; v < V; ++v) sum += std::exp(double(row[v]) - top);
-    total += top + std::log(sum) - row[ids[t + 1]];
-  }
-  return total / double(ids.size() - 1);
-}
-
 TEST(DefaultModel, LoadsAndPredictsHeldOutEnglishFarBetterThanChance) {
   const auto lm = model::load_causal_lm(kDefault);
   EXPECT_EQ(lm->info().model_type, "kimi_linear");
   const auto tok = tokenizer::load_tokenizer(kDefault);
   const std::vector<int32_t> ids = tok->encode(kHeldOut);
   ASSERT_GT(ids.size(), 30u);
-  const double loss = mean_next_token_loss(lm->forward(ids), ids);
+  const double loss = runtime::mean_next_token_loss(lm->forward(ids), ids);
   std::printf("held-out loss %.3f nats/token (uniform: %.3f)\n", loss,
               std::log(double(lm->vocab_size())));
   EXPECT_LT(loss, kDefaultModelMaxLoss);

@@ -21,6 +21,7 @@
 #include "model/causal_lm.h"
 #include "model/kimi_linear.h"
 #include "model/model_folder.h"
+#include "runtime/next_token_loss.h"
 #include "scratch_dir.h"
 
 namespace kda {
@@ -65,19 +66,6 @@ const model::CausalLM& tiny_model() {
   static const std::unique_ptr<model::CausalLM> lm =
       model::load_kimi_linear(model::ModelFolder::open(kTiny));
   return *lm;
-}
-
-double next_token_loss(const Tensor& logits, const std::vector<int32_t>& ids) {
-  const int64_t V = logits.dim(1);
-  double total = 0;
-  for (size_t t = 0; t + 1 < ids.size(); ++t) {
-    const float* row = logits.f32() + t * V;
-    double mx = row[0], sum = 0;
-    for (int64_t j = 1; j < V; ++j) mx = std::max(mx, double(row[j]));
-    for (int64_t j = 0; j < V; ++j) sum += std::exp(double(row[j]) - mx);
-    total += mx + std::log(sum) - row[ids[t + 1]];
-  }
-  return total / double(ids.size() - 1);
 }
 
 int32_t argmax(const float* row, int64_t n) {
@@ -125,7 +113,7 @@ TEST(KimiLinearFixture, ForwardMatchesTransformers) {
   const Tensor logits = lm.forward(ids);
   ASSERT_EQ(logits.shape(), (Shape{int64_t(ids.size()), 1000}));
   const double error = rel_error(logits.f32(), want.f32(), size_t(want.numel()));
-  const double loss = next_token_loss(logits, ids);
+  const double loss = runtime::mean_next_token_loss(logits, ids);
   const double want_loss = ref.load("loss", DType::f64).data<double>()[0];
   std::printf("kimi_linear_tiny: logits rel error %.3g, loss %.7f vs %.7f (diff %.3g)\n", error,
               loss, want_loss, std::abs(loss - want_loss));

@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "core/safetensors.h"
 #include "model/causal_lm.h"
+#include "runtime/next_token_loss.h"
 #include "runtime/sampling.h"
 #include "train/model_factory.h"
 
@@ -30,21 +31,6 @@ std::vector<int32_t> token_ids(const Fixture& fx, const std::string& name, int64
     ids.push_back(int32_t(id));
   }
   return ids;
-}
-
-// Mean cross-entropy of logits[t] against ids[t + 1], in float64.
-double next_token_loss(const Tensor& logits, const std::vector<int32_t>& ids) {
-  const int64_t V = logits.dim(1);
-  double total = 0;
-  for (size_t t = 0; t + 1 < ids.size(); ++t) {
-    const float* row = logits.f32() + int64_t(t) * V;
-    double top = row[0];
-    for (int64_t i = 1; i < V; ++i) top = std::max(top, double(row[i]));
-    double sum = 0;
-    for (int64_t i = 0; i < V; ++i) sum += std::exp(double(row[i]) - top);
-    total += top + std::log(sum) - double(row[ids[t + 1]]);
-  }
-  return total / double(ids.size() - 1);
 }
 
 std::vector<float> as_vector(const Tensor& t) {
@@ -78,7 +64,7 @@ FixtureReport check_model_folder(const std::string& path, const ModelLoader& loa
   if (N >= 2) {
     const std::vector<float> want = fx.f32("loss");
     require(want.size() == 1, fx.path() + ": 'loss' must hold one value");
-    const double ours = next_token_loss(logits, ids);
+    const double ours = runtime::mean_next_token_loss(logits, ids);
     const double error = std::abs(ours - double(want[0])) / std::abs(double(want[0]));
     report.rows.push_back({"forward", "loss", std::isfinite(error) ? error : NAN, kLossTolerance});
   }

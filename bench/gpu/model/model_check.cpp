@@ -20,6 +20,7 @@
 #include "core/safetensors.h"
 #include "model/causal_lm.h"
 #include "model/cuda/cuda_models.h"
+#include "runtime/next_token_loss.h"
 #include "runtime/sampling.h"
 
 namespace kda::gpu_check {
@@ -32,20 +33,6 @@ std::vector<int32_t> ids_of(const SafetensorsFile& f, const std::string& name) {
   std::vector<int32_t> ids;
   for (int64_t i = 0; i < t.numel(); ++i) ids.push_back(int32_t(t.data<int64_t>()[i]));
   return ids;
-}
-
-double next_token_loss(const Tensor& logits, const std::vector<int32_t>& ids) {
-  const int64_t V = logits.dim(1);
-  double total = 0;
-  for (size_t t = 0; t + 1 < ids.size(); ++t) {
-    const float* row = logits.f32() + int64_t(t) * V;
-    double top = row[0];
-    for (int64_t i = 1; i < V; ++i) top = std::max(top, double(row[i]));
-    double sum = 0;
-    for (int64_t i = 0; i < V; ++i) sum += std::exp(double(row[i]) - top);
-    total += top + std::log(sum) - double(row[ids[t + 1]]);
-  }
-  return total / double(ids.size() - 1);
 }
 
 void check_folder(const std::string& dir, ElementType type, Tally& tally) {
@@ -63,7 +50,7 @@ void check_folder(const std::string& dir, ElementType type, Tally& tally) {
 
   const Tensor logits = lm->forward(ids);
   report(tally, tag + " forward logits", rel_error(widen(logits), want), logits_tol);
-  const double loss = next_token_loss(logits, ids);
+  const double loss = runtime::mean_next_token_loss(logits, ids);
   const double want_loss = ref.load("loss", DType::f32).f32()[0];
   report(tally, tag + " forward loss", std::abs(loss - want_loss) / std::abs(want_loss), loss_tol);
 
