@@ -1232,6 +1232,11 @@ void run_small() {
   // the layer backward: grouped heads (partials + l2norm) and not (in place), both gates
   check_kda_layer_backward(1, 70, 1, 2, 64, 64, {}, true, true, true, KdaGate::lower_bound, 16);
   check_kda_layer_backward(1, 70, 1, 1, 128, 128, {}, true, true, true, KdaGate::softplus, 17);
+  // wide decays on the odd value head: its chunks are listed and take chunk_bwd_local's EXACT
+  // instance (exact_pairs_blocked) and chunk_prepare_exact, beside ordinary ones
+  check_kda_layer_backward(1, 70, 1, 2, 64, 64, {}, true, true, true, KdaGate::softplus, 19, true);
+  check_kda_layer_backward(1, 70, 1, 2, 128, 128, {}, true, true, true, KdaGate::softplus, 20,
+                           true);
   check_decode(Gate::channel, 1, 2, 64, 64, ElementType::bf16, 12);
   // the decode head kernel (bulk copy, mbarrier, shared-memory reductions), grouped heads
   check_decode_step(Gate::channel, 3, 1, 2, 128, ElementType::bf16, cuda::DecodeKernel::head, 18);
