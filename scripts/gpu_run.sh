@@ -9,7 +9,7 @@
 # does not travel). How to fill gpu_carry/: docs/GPU_NOTES.md, "Preparing gpu_carry".
 #
 #   scripts/gpu_run.sh [--check-only | --bench-only | --no-fla | --model | --train | --lab |
-#                       --lab-rows | --rows | --decode | --flashkda | --profile]
+#                       --lab-rows | --rows | --decode | --sanitize | --flashkda | --profile]
 #
 # --flashkda: the KDA forward rows beside fla's and FlashKDA's only (a ~5-minute call);
 #           KDA_PEER_ROWS=chunk adds the Gated DeltaNet rows, KDA_PEER_SECONDS the time budget.
@@ -274,17 +274,29 @@ checks_with() {
   return $rc
 }
 
-# compute-sanitizer racecheck on the small case under the knobs $1, its log in $log_dir/$2
-racecheck_small() {
-  local knobs=$1 log=$2 rc
+# compute-sanitizer --tool $1 on the small case under the knobs $2, its log in $log_dir/$3
+sanitize_small() {
+  local tool=$1 knobs=$2 log=$3 rc
   # shellcheck disable=SC2086
-  env $knobs timeout 150 compute-sanitizer --tool racecheck --error-exitcode 3 \
+  env $knobs timeout 200 compute-sanitizer --tool "$tool" --error-exitcode 3 \
     ./build-gpu-app/bin/kda_gpu_check --small >"$log_dir/$log" 2>&1
   rc=$?
-  echo "racecheck: ($(grep -c "^CHECK.*PASS" "$log_dir/$log") checks pass)"
-  grep -E "RACECHECK SUMMARY|Race reported" "$log_dir/$log" | head -4
+  echo "$tool: ($(grep -c "^CHECK.*PASS" "$log_dir/$log") checks pass)"
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Race reported|Invalid" "$log_dir/$log" | head -4
   return $rc
 }
+
+racecheck_small() { sanitize_small racecheck "$1" "$2"; }
+
+# --sanitize: memcheck, then racecheck, on the small case (~3 minutes; KDA_SANITIZE_KNOBS: a knob
+# set for both), e.g. the first call after a kernel's path changed without a sanitizer run.
+if [ "$mode" = "--sanitize" ]; then
+  build_app kda_gpu_check
+  status=0
+  sanitize_small memcheck "${KDA_SANITIZE_KNOBS:-}" small_memcheck.log || status=1
+  sanitize_small racecheck "${KDA_SANITIZE_KNOBS:-}" small_racecheck.log || status=1
+  exit "$status"
+fi
 
 # --rows: a kernel change's first run (~4 minutes): the delta-rule checks with the defaults and
 # with each KDA_ROWS_CHECK_KNOBS set (';'-separated), the chunked forward rows once per
