@@ -437,7 +437,8 @@ void run_suite(const SuiteOptions& options, Tally& tally) {
     check_argument_errors(tally);
   }
   if (options.bench) {
-    for (bool normalize : {false, true}) bench(32, 2048, 2, 128, 128, normalize);
+    for (int64_t T : {1024, 2048})  // the recall benchmark's linear layers
+      for (bool normalize : {false, true}) bench(32, T, 2, 128, 128, normalize);
   }
 }
 

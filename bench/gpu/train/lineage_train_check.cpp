@@ -8,11 +8,10 @@
 // against the host optimizer, a short MQAR run whose loss must fall, GPT-2 behind the trainer's
 // face, and Kimi Linear on the GPU against the CPU one (kimi_train_check.cpp; --kimi: those
 // alone). --bench-2k: the two 125M models at 8 x 2048 only; --profile: the same, stage by
-// stage; --profile-recall: the recall benchmark's 2-layer models (softmax, KDA) at 32 x 256 and
-// 32 x 2048, stage by stage. Benchmarks print
-// "BENCH lineage_train <fields>": tokens/s and MFU of ~125M-parameter models (12 layers, width
-// 768) as all-softmax and as the 3:1 KDA hybrid, at 2K and 16K context. Exit status 1 if any
-// check fails.
+// stage; --profile-recall: the recall benchmark's 2-layer models (softmax, KDA, linear) at 32 x 256
+// and 32 x 2048, stage by stage. Benchmarks print "BENCH lineage_train <fields>": tokens/s and MFU
+// of ~125M-parameter models (12 layers, width 768) as all-softmax and as the 3:1 KDA hybrid, at 2K
+// and 16K context. Exit status 1 if any check fails.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -402,14 +401,15 @@ int main(int argc, char** argv) {
     }
     if (profile_recall) {  // where a step of the recall benchmark's small models goes
       for (int64_t T : {256, 2048})
-        for (const char* p : {"AA", "KK"}) bench(std::string("recall ") + p, p, 32, T, true, true);
+        for (const char* p : {"AA", "KK", "LL"})
+          bench(std::string("recall ") + p, p, 32, T, true, true);
     }
     if (bench_on) {
       bench("softmax", "AAAAAAAAAAAA", 1, 16384);
       bench("kda_hybrid", "KKKAKKKAKKKA", 1, 16384);
       // the recall benchmark's cells (2 layers, 2 heads of 128, batch 32)
       for (int64_t T : {256, 2048})
-        for (const char* p : {"AA", "KK", "GG", "KA"})
+        for (const char* p : {"AA", "KK", "GG", "KA", "LL"})
           bench(std::string("recall ") + p, p, 32, T, true);
     }
   } catch (const std::exception& e) {

@@ -1,10 +1,11 @@
-// Linear attention forward and backward on the GPU (linear_attn_cuda.h). fp32 throughout.
+// Linear attention forward and backward on the GPU (linear_attn_cuda.h), fp32 in and out.
 //
 // Every walking kernel runs one block of 256 threads per (sequence, head, 32-column tile of V)
-// over chunks of C = 64 tokens. A chunk's rows live in shared memory: phi(Q), phi(K) [C, K + 1],
-// the tile's V (and the output cotangent E) [C, 33], C x C score matrices [C, 65] (the odd
-// strides keep the column reads of a warp in distinct banks) and the tile's state slice
-// [K, 33]. Rows past the end of the sequence are zeros, so they add nothing to any sum.
+// over chunks of C = 64 tokens. A chunk's rows live in shared memory: phi(Q), phi(K) [C, K + 4],
+// the tile's V (and the output cotangent E) [C, 36], C x C score matrices [C, 68] and the
+// tile's state slice [K, 36] (row strides that are multiples of 4 floats, as WMMA needs, and not
+// of 32, to spread banks; every region starts at a multiple of 8 floats, WMMA's pointer
+// alignment). Rows past the end of the sequence are zeros, so they add nothing to any sum.
 //
 // With Qp = phi(Q), Kp = phi(K), M the causal mask (j <= i) and E the cotangent the numerator
 // sees (d_o, or d_o / den normalised), per chunk (ops/linear_attn/cpu/linear_attn_chunk*.cpp):
@@ -19,7 +20,18 @@
 // normaliser's terms w_i z_i (z_i inclusive of token i) and sum_{i >= j} w_i Qp_i of the CPU
 // backward without a per-row running z. E V^T, E S^T and V G^T sum over V, so a tile holds a
 // partial dQp / dKp: the w and Gz terms go to tile 0's partial only, and a reduce kernel adds the
-// tiles in order and multiplies by the feature map's slope.
+// tiles in order and multiplies by the feature map's slope. The backward walks load E times
+// `scale`, so every product that reads E carries that factor.
+//
+// Every product of a chunk is a WMMA product of shared-memory tiles in 3xTF32: a = a_hi + a_lo
+// and b = b_hi + b_lo in TF32, a_hi b_hi + a_hi b_lo + a_lo b_hi accumulated in fp32, which keeps
+// fp32's accuracy (the checks hold it to 1e-4 / 1e-3 against float64) at a third of TF32's rate.
+// The walks are bound by latency more than by arithmetic, so a thread also issues all of a
+// chunk's loads before using the first (one memory round trip a chunk, not one an element): on
+// the H200 the tensor cores took the forward from 1.11 to 0.90 ms and the batched loads to 0.59
+// (docs/PERF.md, "Linear attention on the GPU").
+#include <mma.h>
+
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -32,13 +44,17 @@
 namespace kda::ops::cuda {
 namespace {
 
-constexpr int kChunk = 64;                // C: tokens per chunk
-constexpr int kTile = 32;                 // V columns per block
-constexpr int kThreads = 256;             // 8 warps
-constexpr int kWarps = kThreads / 32;     // rows handled in parallel
-constexpr int kTileStride = kTile + 1;    // [C, 33] and [K, 33] arrays
-constexpr int kScoreStride = kChunk + 1;  // [C, 65] arrays
-constexpr size_t kAlign = 256;            // workspace regions
+constexpr int kChunk = 64;             // C: tokens per chunk
+constexpr int kTile = 32;              // V columns per block
+constexpr int kThreads = 256;          // 8 warps
+constexpr int kWarps = kThreads / 32;  // tiles handled in parallel
+constexpr int kTS = kTile + 4;         // tile and state rows
+constexpr int kSS = kChunk + 4;        // score rows
+template <int K>
+constexpr int kFS = K + 4;      // feature rows
+constexpr size_t kAlign = 256;  // workspace regions
+
+namespace wmma = nvcuda::wmma;
 
 void check_launch(const char* what) {
   check_cuda(cudaGetLastError(), what);
@@ -91,104 +107,144 @@ __device__ __forceinline__ BlockWork block_work(const Params& p) {
   return b;
 }
 
-// dst[i, c] = phi(src row i) for i < L, zero rows after; dst stride K + 1.
+using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major>;
+using FragAT = wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::col_major>;
+using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major>;
+using FragBT = wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::col_major>;
+using FragC = wmma::fragment<wmma::accumulator, 16, 16, 8, float>;
+
+// hi = tf32(x), lo = tf32(x - hi), element by element (the same mapping in both fragments)
+template <class Frag>
+__device__ __forceinline__ void split(Frag& hi, Frag& lo) {
+#pragma unroll
+  for (int t = 0; t < hi.num_elements; ++t) {
+    const float x = hi.x[t];
+    const float h = wmma::__float_to_tf32(x);
+    hi.x[t] = h;
+    lo.x[t] = wmma::__float_to_tf32(x - h);
+  }
+}
+
+// acc += A B over k in [k0, k1) (multiples of 8) for one 16 x 16 output tile. `a` points at the
+// tile's A element (row 0, k 0) and `b` at its B element (k 0, column 0); a_step / b_step are
+// the distances between k and k + 1 in A and B (1 along a row, the leading dimension across
+// rows). LA / LB are the WMMA fragment types of A (FragA: row-major, FragAT: A stored as its
+// transpose) and of B.
+template <class LA, class LB>
+__device__ __forceinline__ void product(FragC& acc, const float* a, int lda, int a_step,
+                                        const float* b, int ldb, int b_step, int k0, int k1) {
+  for (int k = k0; k < k1; k += 8) {
+    LA a_hi, a_lo;
+    LB b_hi, b_lo;
+    wmma::load_matrix_sync(a_hi, a + k * a_step, lda);
+    wmma::load_matrix_sync(b_hi, b + k * b_step, ldb);
+    split(a_hi, a_lo);
+    split(b_hi, b_lo);
+    wmma::mma_sync(acc, a_lo, b_hi, acc);
+    wmma::mma_sync(acc, a_hi, b_lo, acc);
+    wmma::mma_sync(acc, a_hi, b_hi, acc);
+  }
+}
+
+// dst[i, c] = phi(src row i) for i < L, zero rows after (stride K + 4). Every load of a thread
+// is issued before the first is used: one round trip to memory a chunk, not one an element
+// (which is what bound the walks: 56 us a chunk with the loads one after another).
 template <int K>
 __device__ void load_features(const float* src, int64_t token0, int H, int h, int L, float* dst) {
-  for (int idx = threadIdx.x; idx < kChunk * K; idx += kThreads) {
-    const int i = idx / K, c = idx % K;
-    dst[i * (K + 1) + c] = i < L ? feature_map(src[((token0 + i) * H + h) * K + c]) : 0.0f;
+  constexpr int kRows = kThreads / K, kPerThread = kChunk / kRows;  // rows a pass; passes
+  const int c = int(threadIdx.x) % K, i0 = int(threadIdx.x) / K;
+  const int64_t step = int64_t(kRows) * H * K;
+  const float* from = src + ((token0 + i0) * H + h) * K + c;
+  float x[kPerThread];
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u, from += step) x[u] = i0 + kRows * u < L ? *from : 0.0f;
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) {
+    const int i = i0 + kRows * u;
+    dst[i * kFS<K> + c] = i < L ? feature_map(x[u]) : 0.0f;
   }
 }
 
-// dst[i, v] = src[row i, v0 + v] (times 1 / den[row i] when den is given) for i < L, zero
-// rows after; dst stride 33.
-__device__ void load_tile(const float* src, const float* den, int64_t token0, int H, int h, int V,
-                          int v0, int L, float* dst) {
-  for (int idx = threadIdx.x; idx < kChunk * kTile; idx += kThreads) {
-    const int i = idx / kTile, v = idx % kTile;
-    float x = 0.0f;
-    if (i < L) {
-      const int64_t row = (token0 + i) * H + h;
-      x = src[row * V + v0 + v];
-      if (den) x /= den[row];
-    }
-    dst[i * kTileStride + v] = x;
+// dst[i, v] = factor * src[row i, v0 + v] (/ den[row i] when den is given) for i < L, zero rows
+// after (stride 36); loads issued first, as load_features.
+__device__ void load_tile(const float* src, const float* den, float factor, int64_t token0, int H,
+                          int h, int V, int v0, int L, float* dst) {
+  constexpr int kRows = kThreads / kTile, kPerThread = kChunk / kRows;
+  const int v = int(threadIdx.x) % kTile, i0 = int(threadIdx.x) / kTile;
+  const int64_t row0 = (token0 + i0) * H + h, row_step = int64_t(kRows) * H;
+  float x[kPerThread], d[kPerThread];
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) {
+    const bool live = i0 + kRows * u < L;
+    const int64_t row = row0 + row_step * u;
+    x[u] = live ? src[row * V + v0 + v] : 0.0f;
+    d[u] = live && den ? den[row] : 1.0f;
+  }
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) dst[(i0 + kRows * u) * kTS + v] = factor * x[u] / d[u];
+}
+
+// out[i, j] = a_i . b_j over `width` columns (a, b stride ld) for the 10 tiles on or below the
+// diagonal of the 64 x 64 result; the 6 tiles above it are zeroed. Warps take tiles in turn.
+__device__ void lower_scores(const float* a, const float* b, int ld, int width, float* out,
+                             int first_warp, int warps) {
+  const int warp = int(threadIdx.x / 32) - first_warp;
+  if (warp < 0 || warp >= warps) return;
+  for (int t = warp; t < 16; t += warps) {
+    const int ti = t / 4, tj = t % 4;
+    FragC acc;
+    wmma::fill_fragment(acc, 0.0f);
+    if (tj <= ti)
+      product<FragA, FragBT>(acc, a + ti * 16 * ld, ld, 1, b + tj * 16 * ld, ld, 1, 0, width);
+    wmma::store_matrix_sync(out + ti * 16 * kSS + tj * 16, acc, kSS, wmma::mem_row_major);
   }
 }
 
-// scores[i, j] = (j <= i) ? scale a_i . b_j + w_i : 0 (w null: 0) for rows of width W (stride
-// W + 1): each thread holds an 8 x 2 block (rows warp + 8 a, columns lane + 32 b), so a warp
-// reads one a row (broadcast) and 32 b rows (distinct banks thanks to the odd stride).
-template <int W>
-__device__ void causal_scores(const float* a, const float* b, float scale, const float* w,
-                              float* scores) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  float acc[kChunk / kWarps][2] = {};
-  for (int c = 0; c < W; ++c) {
-    float bv[2];
-#pragma unroll
-    for (int jb = 0; jb < 2; ++jb) bv[jb] = b[(lane + 32 * jb) * (W + 1) + c];
-#pragma unroll
-    for (int ia = 0; ia < kChunk / kWarps; ++ia) {
-      const float av = a[(warp + kWarps * ia) * (W + 1) + c];
-#pragma unroll
-      for (int jb = 0; jb < 2; ++jb) acc[ia][jb] = fmaf(av, bv[jb], acc[ia][jb]);
-    }
-  }
-#pragma unroll
-  for (int ia = 0; ia < kChunk / kWarps; ++ia) {
-    const int i = warp + kWarps * ia;
-#pragma unroll
-    for (int jb = 0; jb < 2; ++jb) {
-      const int j = lane + 32 * jb;
-      scores[i * kScoreStride + j] = j <= i ? scale * acc[ia][jb] + (w ? w[i] : 0.0f) : 0.0f;
-    }
-  }
-}
-
-// state[c, v] += scale * sum_{i < L} x[i, c] y[i, v] (x stride K + 1, y and state stride 33).
+// state[K, 32] += x^T y over the chunk's 64 rows (x [C, K + 4], y [C, 36], state [K, 36]).
 template <int K>
-__device__ void add_outer(const float* x, const float* y, int L, float scale, float* state) {
-  const int v = threadIdx.x % 32, warp = threadIdx.x / 32;
-#pragma unroll
-  for (int r = 0; r < K / kWarps; ++r) {
-    const int c = warp + kWarps * r;
-    float acc = 0.0f;
-    for (int i = 0; i < L; ++i) acc = fmaf(x[i * (K + 1) + c], y[i * kTileStride + v], acc);
-    state[c * kTileStride + v] += scale * acc;
+__device__ void add_outer(const float* x, const float* y, float* state) {
+  const int warp = threadIdx.x / 32;
+  for (int t = warp; t < K / 16 * 2; t += kWarps) {
+    const int tc = t / 2, tv = t % 2;
+    FragC acc;
+    float* s = state + tc * 16 * kTS + tv * 16;
+    wmma::load_matrix_sync(acc, s, kTS, wmma::mem_row_major);
+    product<FragAT, FragB>(acc, x + tc * 16, kFS<K>, kFS<K>, y + tv * 16, kTS, kTS, 0, kChunk);
+    wmma::store_matrix_sync(s, acc, kTS, wmma::mem_row_major);
   }
 }
 
-// sum[c] += sum_{i < L} weight_i x[i, c] (weight null: 1).
+// sum[c] += sum_{i < 64} weight_i x[i, c] (weight null: 1); rows past L are zero.
 template <int K>
-__device__ void add_column_sums(const float* x, const float* weight, int L, float* sum) {
+__device__ void add_column_sums(const float* x, const float* weight, float* sum) {
   for (int c = threadIdx.x; c < K; c += kThreads) {
     float acc = 0.0f;
-    for (int i = 0; i < L; ++i) acc = fmaf(weight ? weight[i] : 1.0f, x[i * (K + 1) + c], acc);
+    for (int i = 0; i < kChunk; ++i) acc = fmaf(weight ? weight[i] : 1.0f, x[i * kFS<K> + c], acc);
     sum[c] += acc;
   }
 }
 
+// 111 KB at K = 128: two blocks an SM (O is staged over P, not beside it, for that)
 template <int K>
-constexpr size_t forward_smem_floats() {
-  return 2 * kChunk * (K + 1) + kChunk * kTileStride + kChunk * kScoreStride + K * kTileStride + K +
-         kChunk;
+constexpr size_t forward_smem_floats() {  // Qp, Kp, V, P (then O), S, z, 1 / den
+  return 2 * kChunk * kFS<K> + kChunk * kTS + kChunk * kSS + K * kTS + K + kChunk;
 }
 
 template <int K>
-__global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
-  extern __shared__ float smem[];
-  float* Qp = smem;                      // [C, K + 1]
-  float* Kp = Qp + kChunk * (K + 1);     // [C, K + 1]
-  float* Vs = Kp + kChunk * (K + 1);     // [C, 33]
-  float* P = Vs + kChunk * kTileStride;  // [C, 65]
-  float* S = P + kChunk * kScoreStride;  // [K, 33]
-  float* z = S + K * kTileStride;        // [K]
-  float* inv_den = z + K;                // [C]
+__global__ void __launch_bounds__(kThreads, 2) forward_kernel(Params p) {
+  extern __shared__ __align__(128) float smem[];
+  float* Qp = smem;                  // [C, K + 4]
+  float* Kp = Qp + kChunk * kFS<K>;  // [C, K + 4]
+  float* Vs = Kp + kChunk * kFS<K>;  // [C, 36]
+  float* P = Vs + kChunk * kTS;      // [C, 68]
+  float* Os = P;                     // [C, 36] over P once it is read
+  float* S = P + kChunk * kSS;       // [K, 36]
+  float* z = S + K * kTS;            // [K]
+  float* inv_den = z + K;            // [C]
   const BlockWork b = block_work(p);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 
-  for (int idx = threadIdx.x; idx < K * kTileStride; idx += kThreads) S[idx] = 0.0f;
+  for (int idx = threadIdx.x; idx < K * kTS; idx += kThreads) S[idx] = 0.0f;
   for (int idx = threadIdx.x; idx < K; idx += kThreads) z[idx] = 0.0f;
 
   for (int64_t t0 = 0; t0 < b.length; t0 += kChunk) {
@@ -197,38 +253,236 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
     __syncthreads();  // the previous chunk's state update is done with the rows
     load_features<K>(p.q, token0, p.H, b.h, L, Qp);
     load_features<K>(p.k, token0, p.H, b.h, L, Kp);
-    load_tile(p.v, nullptr, token0, p.H, b.h, p.V, b.v0, L, Vs);
+    load_tile(p.v, nullptr, 1.0f, token0, p.H, b.h, p.V, b.v0, L, Vs);
     __syncthreads();
-    causal_scores<K>(Qp, Kp, 1.0f, nullptr, P);
+    lower_scores(Qp, Kp, kFS<K>, K, P, 0, kWarps);
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < kChunk * kChunk; idx += kThreads) {
+      const int i = idx / kChunk, j = idx % kChunk;
+      if (j > i) P[i * kSS + j] = 0.0f;  // the diagonal tiles' upper parts
+    }
     __syncthreads();
 
     if (p.normalize) {  // den_i = scale (intra + carried) + 1e-10, as the CPU forward
-      for (int i = threadIdx.x; i < L; i += kThreads) {
-        float intra = 0.0f, carried = 0.0f;
-        for (int j = 0; j <= i; ++j) intra += P[i * kScoreStride + j];
-        for (int c = 0; c < K; ++c) carried = fmaf(Qp[i * (K + 1) + c], z[c], carried);
-        const float den = p.scale * (intra + carried) + 1e-10f;
-        inv_den[i] = 1.0f / den;
-        if (p.den_out && b.tile == 0) p.den_out[(token0 + i) * p.H + b.h] = den;
+      for (int i = warp; i < kChunk; i += kWarps) {
+        float sum = P[i * kSS + lane] + P[i * kSS + lane + 32];
+        for (int c = lane; c < K; c += 32) sum = fmaf(Qp[i * kFS<K> + c], z[c], sum);
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2)
+          sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+        const float den = p.scale * sum + 1e-10f;
+        if (lane == 0) {
+          inv_den[i] = 1.0f / den;
+          if (p.den_out && b.tile == 0 && i < L) p.den_out[(token0 + i) * p.H + b.h] = den;
+        }
       }
-      __syncthreads();
     }
 
-    // O[i, v] = scale (sum_{j <= i} P[i, j] V[j, v] + sum_c Qp[i, c] S[c, v]) (/ den_i)
-    for (int i = warp; i < L; i += kWarps) {
-      float intra = 0.0f, carried = 0.0f;
-      for (int j = 0; j <= i; ++j)
-        intra = fmaf(P[i * kScoreStride + j], Vs[j * kTileStride + lane], intra);
-      for (int c = 0; c < K; ++c)
-        carried = fmaf(Qp[i * (K + 1) + c], S[c * kTileStride + lane], carried);
-      float out = p.scale * (intra + carried);
+    // O = P V + Qp S: one 16 x 16 tile a warp
+    const int ti = warp / 2, tv = warp % 2;
+    FragC acc;
+    wmma::fill_fragment(acc, 0.0f);
+    product<FragA, FragB>(acc, P + ti * 16 * kSS, kSS, 1, Vs + tv * 16, kTS, kTS, 0, (ti + 1) * 16);
+    product<FragA, FragB>(acc, Qp + ti * 16 * kFS<K>, kFS<K>, 1, S + tv * 16, kTS, kTS, 0, K);
+    __syncthreads();  // P, S and z read; inv_den written
+    wmma::store_matrix_sync(Os + ti * 16 * kTS + tv * 16, acc, kTS, wmma::mem_row_major);
+    __syncthreads();
+
+    for (int idx = threadIdx.x; idx < L * kTile; idx += kThreads) {
+      const int i = idx / kTile, v = idx % kTile;
+      float out = p.scale * Os[i * kTS + v];
       if (p.normalize) out *= inv_den[i];
-      p.o[((token0 + i) * p.H + b.h) * p.V + b.v0 + lane] = out;
+      p.o[((token0 + i) * p.H + b.h) * p.V + b.v0 + v] = out;
     }
-    __syncthreads();  // S and z are read above
+    add_outer<K>(Kp, Vs, S);
+    if (p.normalize) add_column_sums<K>(Kp, nullptr, z);
+  }
+}
 
-    add_outer<K>(Kp, Vs, L, 1.0f, S);
-    if (p.normalize) add_column_sums<K>(Kp, nullptr, L, z);
+template <int K>
+constexpr size_t dq_smem_floats() {  // Kp, [A, E, V] (the dQ staging after), S, z, w
+  return kChunk * kFS<K> + kChunk * kSS + 2 * kChunk * kTS + K * kTS + K + kChunk;
+}
+
+// The forward walk: partial[tile, row, c] = dQp of this tile (tile 0 with the normaliser's term).
+template <int K>
+__global__ void __launch_bounds__(kThreads, 2) dq_kernel(Params p) {
+  constexpr int kOutTiles = 4 * (K / 16), kPerWarp = (kOutTiles + kWarps - 1) / kWarps;
+  static_assert(kChunk * kSS + 2 * kChunk * kTS >= kChunk * kFS<K>, "dQ staging fits");
+  extern __shared__ __align__(128) float smem[];
+  float* Kp = smem;                 // [C, K + 4]
+  float* A = Kp + kChunk * kFS<K>;  // [C, 68]
+  float* Es = A + kChunk * kSS;     // [C, 36]
+  float* Vs = Es + kChunk * kTS;    // [C, 36]
+  float* staged = A;                // [C, K + 4] over A, Es, Vs once they are read
+  float* S = Vs + kChunk * kTS;     // [K, 36]
+  float* z = S + K * kTS;           // [K]
+  float* ws = z + K;                // [C]
+  const BlockWork b = block_work(p);
+  const int warp = threadIdx.x / 32;
+  const bool add_norm = p.normalize && b.tile == 0;
+  float* partial = p.partial + int64_t(b.tile) * p.rows * p.H * K;
+
+  for (int idx = threadIdx.x; idx < K * kTS; idx += kThreads) S[idx] = 0.0f;
+  for (int idx = threadIdx.x; idx < K; idx += kThreads) z[idx] = 0.0f;
+
+  for (int64_t t0 = 0; t0 < b.length; t0 += kChunk) {
+    const int L = int(b.length - t0 < kChunk ? b.length - t0 : kChunk);
+    const int64_t token0 = b.start + t0;
+    __syncthreads();
+    load_features<K>(p.k, token0, p.H, b.h, L, Kp);
+    load_tile(p.v, nullptr, 1.0f, token0, p.H, b.h, p.V, b.v0, L, Vs);
+    load_tile(p.d_o, p.normalize ? p.den : nullptr, p.scale, token0, p.H, b.h, p.V, b.v0, L, Es);
+    for (int i = threadIdx.x; i < kChunk; i += kThreads)
+      ws[i] = add_norm && i < L ? p.w[(token0 + i) * p.H + b.h] : 0.0f;
+    __syncthreads();
+    lower_scores(Es, Vs, kTS, kTile, A, 0, kWarps);  // scale E V^T
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < kChunk * kChunk; idx += kThreads) {
+      const int i = idx / kChunk, j = idx % kChunk;
+      A[i * kSS + j] = j <= i ? A[i * kSS + j] + ws[i] : 0.0f;
+    }
+    __syncthreads();
+
+    // dQp = A Kp + scale E S^T (+ w z_prev below)
+    FragC acc[kPerWarp];
+#pragma unroll
+    for (int r = 0; r < kPerWarp; ++r) {
+      const int t = warp + kWarps * r;
+      wmma::fill_fragment(acc[r], 0.0f);
+      if (t >= kOutTiles) continue;
+      const int ti = t / (K / 16), tc = t % (K / 16);
+      product<FragA, FragB>(acc[r], A + ti * 16 * kSS, kSS, 1, Kp + tc * 16, kFS<K>, kFS<K>, 0,
+                            (ti + 1) * 16);
+      product<FragA, FragBT>(acc[r], Es + ti * 16 * kTS, kTS, 1, S + tc * 16 * kTS, kTS, 1, 0,
+                             kTile);
+    }
+    __syncthreads();  // A, Es and S read
+    add_outer<K>(Kp, Vs, S);
+    __syncthreads();  // Vs read: the staging may overwrite A, Es, Vs
+#pragma unroll
+    for (int r = 0; r < kPerWarp; ++r) {
+      const int t = warp + kWarps * r;
+      if (t >= kOutTiles) continue;
+      const int ti = t / (K / 16), tc = t % (K / 16);
+      wmma::store_matrix_sync(staged + ti * 16 * kFS<K> + tc * 16, acc[r], kFS<K>,
+                              wmma::mem_row_major);
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < L * K; idx += kThreads) {
+      const int i = idx / K, c = idx % K;
+      float d = staged[i * kFS<K> + c];
+      if (add_norm) d = fmaf(ws[i], z[c], d);
+      partial[((token0 + i) * p.H + b.h) * K + c] = d;
+    }
+    if (add_norm) {
+      __syncthreads();  // z read above
+      add_column_sums<K>(Kp, nullptr, z);
+    }
+  }
+}
+
+template <int K>
+constexpr size_t dkdv_smem_floats() {  // Qp, Kp, [A, P] (the dK staging after), V, E, G, Gz, w
+  return 2 * kChunk * kFS<K> + 2 * kChunk * kSS + 2 * kChunk * kTS + K * kTS + K + kChunk;
+}
+
+// The backward walk: partial[tile, row, c] = dKp of this tile (tile 0 with the normaliser's
+// terms) and the tile's columns of dv.
+template <int K>
+__global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
+  constexpr int kOutTiles = 4 * (K / 16), kPerWarp = (kOutTiles + kWarps - 1) / kWarps;
+  static_assert(2 * kChunk * kSS >= kChunk * kFS<K>, "dK staging fits");
+  extern __shared__ __align__(128) float smem[];
+  float* Qp = smem;                  // [C, K + 4]
+  float* Kp = Qp + kChunk * kFS<K>;  // [C, K + 4]
+  float* A = Kp + kChunk * kFS<K>;   // [C, 68]
+  float* P = A + kChunk * kSS;       // [C, 68]
+  float* staged = A;                 // [C, K + 4] over A and P once they are read
+  float* Vs = P + kChunk * kSS;      // [C, 36], the dV staging once read
+  float* Es = Vs + kChunk * kTS;     // [C, 36]
+  float* G = Es + kChunk * kTS;      // [K, 36]
+  float* Gz = G + K * kTS;           // [K]
+  float* ws = Gz + K;                // [C]
+  const BlockWork b = block_work(p);
+  const int warp = threadIdx.x / 32;
+  const bool add_norm = p.normalize && b.tile == 0;
+  float* partial = p.partial + int64_t(b.tile) * p.rows * p.H * K;
+
+  for (int idx = threadIdx.x; idx < K * kTS; idx += kThreads) G[idx] = 0.0f;
+  for (int idx = threadIdx.x; idx < K; idx += kThreads) Gz[idx] = 0.0f;
+  if (b.length <= 0) return;
+
+  const int64_t last_chunk_start = (b.length - 1) / kChunk * kChunk;
+  for (int64_t t0 = last_chunk_start; t0 >= 0; t0 -= kChunk) {
+    const int L = int(b.length - t0 < kChunk ? b.length - t0 : kChunk);
+    const int64_t token0 = b.start + t0;
+    __syncthreads();
+    load_features<K>(p.q, token0, p.H, b.h, L, Qp);
+    load_features<K>(p.k, token0, p.H, b.h, L, Kp);
+    load_tile(p.v, nullptr, 1.0f, token0, p.H, b.h, p.V, b.v0, L, Vs);
+    load_tile(p.d_o, p.normalize ? p.den : nullptr, p.scale, token0, p.H, b.h, p.V, b.v0, L, Es);
+    for (int i = threadIdx.x; i < kChunk; i += kThreads)
+      ws[i] = add_norm && i < L ? p.w[(token0 + i) * p.H + b.h] : 0.0f;
+    __syncthreads();
+    lower_scores(Qp, Kp, kFS<K>, K, P, 0, kWarps / 2);            // Qp Kp^T: warps 0-3
+    lower_scores(Es, Vs, kTS, kTile, A, kWarps / 2, kWarps / 2);  // scale E V^T: warps 4-7
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < kChunk * kChunk; idx += kThreads) {
+      const int i = idx / kChunk, j = idx % kChunk;
+      const bool keep = j <= i;
+      A[i * kSS + j] = keep ? A[i * kSS + j] + ws[i] : 0.0f;
+      if (!keep) P[i * kSS + j] = 0.0f;
+    }
+    __syncthreads();
+
+    // dKp = A^T Qp + V G^T (+ Gz below); dV = scale P^T E + Kp G (one tile a warp)
+    FragC dk[kPerWarp];
+#pragma unroll
+    for (int r = 0; r < kPerWarp; ++r) {
+      const int t = warp + kWarps * r;
+      wmma::fill_fragment(dk[r], 0.0f);
+      if (t >= kOutTiles) continue;
+      const int tj = t / (K / 16), tc = t % (K / 16);
+      product<FragAT, FragB>(dk[r], A + tj * 16, kSS, kSS, Qp + tc * 16, kFS<K>, kFS<K>, tj * 16,
+                             kChunk);
+      product<FragA, FragBT>(dk[r], Vs + tj * 16 * kTS, kTS, 1, G + tc * 16 * kTS, kTS, 1, 0,
+                             kTile);
+    }
+    FragC dv;
+    {
+      const int tj = warp / 2, tv = warp % 2;
+      wmma::fill_fragment(dv, 0.0f);
+      product<FragAT, FragB>(dv, P + tj * 16, kSS, kSS, Es + tv * 16, kTS, kTS, tj * 16, kChunk);
+      product<FragA, FragB>(dv, Kp + tj * 16 * kFS<K>, kFS<K>, 1, G + tv * 16, kTS, kTS, 0, K);
+    }
+    __syncthreads();  // A, P, Vs and G read
+#pragma unroll
+    for (int r = 0; r < kPerWarp; ++r) {
+      const int t = warp + kWarps * r;
+      if (t >= kOutTiles) continue;
+      const int tj = t / (K / 16), tc = t % (K / 16);
+      wmma::store_matrix_sync(staged + tj * 16 * kFS<K> + tc * 16, dk[r], kFS<K>,
+                              wmma::mem_row_major);
+    }
+    wmma::store_matrix_sync(Vs + (warp / 2) * 16 * kTS + (warp % 2) * 16, dv, kTS,
+                            wmma::mem_row_major);
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < L * K; idx += kThreads) {
+      const int j = idx / K, c = idx % K;
+      float d = staged[j * kFS<K> + c];
+      if (add_norm) d += Gz[c];
+      partial[((token0 + j) * p.H + b.h) * K + c] = d;
+    }
+    for (int idx = threadIdx.x; idx < L * kTile; idx += kThreads) {
+      const int j = idx / kTile, v = idx % kTile;
+      p.dv[((token0 + j) * p.H + b.h) * p.V + b.v0 + v] = Vs[j * kTS + v];
+    }
+    add_outer<K>(Qp, Es, G);  // G += scale Qp^T E (E carries the scale)
+    if (add_norm) {
+      __syncthreads();  // Gz read above
+      add_column_sums<K>(Qp, ws, Gz);
+    }
   }
 }
 
@@ -244,159 +498,6 @@ __global__ void normaliser_weight_kernel(const float* o, const float* d_o, const
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
   if (lane == 0) w[r] = -scale * acc / den[r];
-}
-
-template <int K>
-constexpr size_t dq_smem_floats() {
-  return kChunk * (K + 1) + 2 * kChunk * kTileStride + kChunk * kScoreStride + K * kTileStride + K +
-         kChunk;
-}
-
-// The forward walk: partial[tile, row, c] = dQp of this tile (tile 0 with the normaliser's term).
-template <int K>
-__global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
-  extern __shared__ float smem[];
-  float* Kp = smem;                       // [C, K + 1]
-  float* Vs = Kp + kChunk * (K + 1);      // [C, 33]
-  float* Es = Vs + kChunk * kTileStride;  // [C, 33]
-  float* A = Es + kChunk * kTileStride;   // [C, 65]
-  float* S = A + kChunk * kScoreStride;   // [K, 33]
-  float* z = S + K * kTileStride;         // [K]
-  float* ws = z + K;                      // [C]
-  const BlockWork b = block_work(p);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const bool add_norm = p.normalize && b.tile == 0;
-  float* partial = p.partial + int64_t(b.tile) * p.rows * p.H * K;
-
-  for (int idx = threadIdx.x; idx < K * kTileStride; idx += kThreads) S[idx] = 0.0f;
-  for (int idx = threadIdx.x; idx < K; idx += kThreads) z[idx] = 0.0f;
-
-  for (int64_t t0 = 0; t0 < b.length; t0 += kChunk) {
-    const int L = int(b.length - t0 < kChunk ? b.length - t0 : kChunk);
-    const int64_t token0 = b.start + t0;
-    __syncthreads();
-    load_features<K>(p.k, token0, p.H, b.h, L, Kp);
-    load_tile(p.v, nullptr, token0, p.H, b.h, p.V, b.v0, L, Vs);
-    load_tile(p.d_o, p.normalize ? p.den : nullptr, token0, p.H, b.h, p.V, b.v0, L, Es);
-    for (int i = threadIdx.x; i < kChunk; i += kThreads)
-      ws[i] = add_norm && i < L ? p.w[(token0 + i) * p.H + b.h] : 0.0f;
-    __syncthreads();
-    causal_scores<kTile>(Es, Vs, p.scale, add_norm ? ws : nullptr, A);  // A
-    __syncthreads();
-
-    // dQp[i, c] = sum_{j <= i} A[i, j] Kp[j, c] + scale sum_v E[i, v] S[c, v] + w_i z[c]
-    for (int i = warp; i < L; i += kWarps) {
-      float acc[K / 32] = {}, carried[K / 32] = {};
-      for (int j = 0; j <= i; ++j) {
-        const float a = A[i * kScoreStride + j];
-#pragma unroll
-        for (int cb = 0; cb < K / 32; ++cb)
-          acc[cb] = fmaf(a, Kp[j * (K + 1) + lane + 32 * cb], acc[cb]);
-      }
-      for (int v = 0; v < kTile; ++v) {
-        const float e = Es[i * kTileStride + v];
-#pragma unroll
-        for (int cb = 0; cb < K / 32; ++cb)
-          carried[cb] = fmaf(e, S[(lane + 32 * cb) * kTileStride + v], carried[cb]);
-      }
-      float* out = partial + ((token0 + i) * p.H + b.h) * K;
-#pragma unroll
-      for (int cb = 0; cb < K / 32; ++cb) {
-        const int c = lane + 32 * cb;
-        float d = acc[cb] + p.scale * carried[cb];
-        if (add_norm) d = fmaf(ws[i], z[c], d);
-        out[c] = d;
-      }
-    }
-    __syncthreads();
-
-    add_outer<K>(Kp, Vs, L, 1.0f, S);
-    if (add_norm) add_column_sums<K>(Kp, nullptr, L, z);
-  }
-}
-
-template <int K>
-constexpr size_t dkdv_smem_floats() {
-  return 2 * kChunk * (K + 1) + 2 * kChunk * kTileStride + 2 * kChunk * kScoreStride +
-         K * kTileStride + K + kChunk;
-}
-
-// The backward walk: partial[tile, row, c] = dKp of this tile (tile 0 with the normaliser's
-// terms) and the tile's columns of dv.
-template <int K>
-__global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
-  extern __shared__ float smem[];
-  float* Qp = smem;                       // [C, K + 1]
-  float* Kp = Qp + kChunk * (K + 1);      // [C, K + 1]
-  float* Vs = Kp + kChunk * (K + 1);      // [C, 33]
-  float* Es = Vs + kChunk * kTileStride;  // [C, 33]
-  float* A = Es + kChunk * kTileStride;   // [C, 65]
-  float* P = A + kChunk * kScoreStride;   // [C, 65]
-  float* G = P + kChunk * kScoreStride;   // [K, 33]
-  float* Gz = G + K * kTileStride;        // [K]
-  float* ws = Gz + K;                     // [C]
-  const BlockWork b = block_work(p);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const bool add_norm = p.normalize && b.tile == 0;
-  float* partial = p.partial + int64_t(b.tile) * p.rows * p.H * K;
-
-  for (int idx = threadIdx.x; idx < K * kTileStride; idx += kThreads) G[idx] = 0.0f;
-  for (int idx = threadIdx.x; idx < K; idx += kThreads) Gz[idx] = 0.0f;
-  if (b.length <= 0) return;
-
-  const int64_t last_chunk_start = (b.length - 1) / kChunk * kChunk;
-  for (int64_t t0 = last_chunk_start; t0 >= 0; t0 -= kChunk) {
-    const int L = int(b.length - t0 < kChunk ? b.length - t0 : kChunk);
-    const int64_t token0 = b.start + t0;
-    __syncthreads();
-    load_features<K>(p.q, token0, p.H, b.h, L, Qp);
-    load_features<K>(p.k, token0, p.H, b.h, L, Kp);
-    load_tile(p.v, nullptr, token0, p.H, b.h, p.V, b.v0, L, Vs);
-    load_tile(p.d_o, p.normalize ? p.den : nullptr, token0, p.H, b.h, p.V, b.v0, L, Es);
-    for (int i = threadIdx.x; i < kChunk; i += kThreads)
-      ws[i] = add_norm && i < L ? p.w[(token0 + i) * p.H + b.h] : 0.0f;
-    __syncthreads();
-    causal_scores<K>(Qp, Kp, 1.0f, nullptr, P);
-    causal_scores<kTile>(Es, Vs, p.scale, add_norm ? ws : nullptr, A);  // A
-    __syncthreads();
-
-    for (int j = warp; j < L; j += kWarps) {
-      // dKp[j, c] = sum_{i >= j} A[i, j] Qp[i, c] + sum_v V[j, v] G[c, v] + Gz[c]
-      float acc[K / 32] = {}, carried[K / 32] = {};
-      for (int i = j; i < L; ++i) {
-        const float a = A[i * kScoreStride + j];
-#pragma unroll
-        for (int cb = 0; cb < K / 32; ++cb)
-          acc[cb] = fmaf(a, Qp[i * (K + 1) + lane + 32 * cb], acc[cb]);
-      }
-      for (int v = 0; v < kTile; ++v) {
-        const float x = Vs[j * kTileStride + v];
-#pragma unroll
-        for (int cb = 0; cb < K / 32; ++cb)
-          carried[cb] = fmaf(x, G[(lane + 32 * cb) * kTileStride + v], carried[cb]);
-      }
-      float* out = partial + ((token0 + j) * p.H + b.h) * K;
-#pragma unroll
-      for (int cb = 0; cb < K / 32; ++cb) {
-        const int c = lane + 32 * cb;
-        float d = acc[cb] + carried[cb];
-        if (add_norm) d += Gz[c];
-        out[c] = d;
-      }
-
-      // dV[j, v] = scale sum_{i >= j} P[i, j] E[i, v] + sum_c Kp[j, c] G[c, v]
-      float intra = 0.0f, state = 0.0f;
-      for (int i = j; i < L; ++i)
-        intra = fmaf(P[i * kScoreStride + j], Es[i * kTileStride + lane], intra);
-      for (int c = 0; c < K; ++c)
-        state = fmaf(Kp[j * (K + 1) + c], G[c * kTileStride + lane], state);
-      p.dv[((token0 + j) * p.H + b.h) * p.V + b.v0 + lane] = p.scale * intra + state;
-    }
-    __syncthreads();  // G and Gz are read above
-
-    add_outer<K>(Qp, Es, L, p.scale, G);
-    if (add_norm) add_column_sums<K>(Qp, ws, L, Gz);
-  }
 }
 
 // out[r, c] = phi'(x[r, c]) * sum over tiles (in order) of partial[tile, r, c].
@@ -476,6 +577,10 @@ void launch_walk(KernelFn kernel, size_t smem_floats, const Params& p, int64_t b
                  cudaStream_t stream, const char* what) {
   const size_t smem = smem_floats * sizeof(float);
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+             what);
+  // all of L1 as shared memory: two forward blocks of 111 KB an SM
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                  cudaSharedmemCarveoutMaxShared),
              what);
   kernel<<<unsigned(blocks), kThreads, smem, stream>>>(p);
   check_launch(what);

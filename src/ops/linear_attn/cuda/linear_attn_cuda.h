@@ -1,7 +1,8 @@
 // Linear attention (ops/linear_attn/linear_attn.h's semantics, normalised or not) on the GPU for
 // training: q, k [B, T, H, K], v, o [B, T, H, V] fp32 device arrays (token-major), or packed
 // sequences (host cu_seqlens, B = 1, each sequence starting from a zero state). No initial or
-// final states. fp32 arithmetic throughout.
+// final states. fp32 accuracy: the products run on tensor cores in 3xTF32 (three TF32 products
+// of split operands, accumulated in fp32).
 //
 // Design (simple, deterministic): chunks of 64 tokens; one block per (sequence, head, 32-column
 // tile of V) walks its sequence's chunks in order with the K x 32 slice of the state (and the
