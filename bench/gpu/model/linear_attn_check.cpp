@@ -344,6 +344,31 @@ void check_deterministic(const Case& c, int64_t K, int64_t V, bool normalize, Ta
   report(tally, "linear_attn backward twice same bits " + describe(c, s), same ? 0.0 : 1.0, 0.0);
 }
 
+// The normalised backward from a kept forward (o and den as the forward wrote them) against the
+// one that recomputes them: the same bits. den is poisoned first, so an element the forward left
+// unwritten turns the gradients to NaN.
+void check_kept_forward(const Case& c, int64_t K, int64_t V, Tally& tally) {
+  const LinearAttnShape s = shape_of(c, 2, K, V, true);
+  const DeviceInputs d = upload_inputs(s, c.cu_seqlens, random_inputs(s));
+  const size_t rows = size_t(s.B * s.T * s.H);
+  DeviceBuffer o = poisoned(rows * size_t(V)), den = poisoned(rows);
+  cu::linear_attn_forward(d.args, o.as<float>(), d.workspace.data(), d.workspace.bytes(), nullptr,
+                          den.as<float>());
+  DeviceBuffer dq = poisoned(rows * size_t(K)), dk = poisoned(rows * size_t(K));
+  DeviceBuffer dv = poisoned(rows * size_t(V));
+  cu::linear_attn_backward(d.args, d.d_o.as<float>(), dq.as<float>(), dk.as<float>(),
+                           dv.as<float>(), d.workspace.data(), d.workspace.bytes(), nullptr,
+                           {o.as<float>(), den.as<float>()});
+  sync();
+  const DeviceRun kept{{}, download(dq), download(dk), download(dv)}, again = run_backward(d);
+  const bool finite =
+      std::all_of(kept.dq.begin(), kept.dq.end(), [](float x) { return std::isfinite(x); });
+  const bool same = finite && same_bits(kept.dq, again.dq) && same_bits(kept.dk, again.dk) &&
+                    same_bits(kept.dv, again.dv);
+  report(tally, "linear_attn backward from the kept forward same bits " + describe(c, s),
+         same ? 0.0 : 1.0, 0.0);
+}
+
 void check_argument_errors(Tally& tally) {
   const Case c{"B=2 T=8", 2, 8, {}};
   const LinearAttnShape good = shape_of(c, 2, 64, 64, true);
@@ -376,6 +401,14 @@ void check_argument_errors(Tally& tally) {
                 [&] { cu::linear_attn_backward(d.args, nullptr, o, o, o, ws, ws_bytes, nullptr); });
   report_throws(tally, "null dk", [&] {
     cu::linear_attn_backward(d.args, d.d_o.as<float>(), o, nullptr, o, ws, ws_bytes, nullptr);
+  });
+  report_throws(tally, "den from a plain forward", [&] {
+    cu::linear_attn_forward(with([](auto& a) { a.shape.normalize = false; }), o, ws, ws_bytes,
+                            nullptr, o);
+  });
+  report_throws(tally, "kept forward without den", [&] {
+    cu::linear_attn_backward(d.args, d.d_o.as<float>(), o, o, o, ws, ws_bytes, nullptr,
+                             {o, nullptr});
   });
   report_throws(tally, "small workspace (backward)", [&] {
     cu::linear_attn_backward(d.args, d.d_o.as<float>(), o, o, o, ws, 256, nullptr);
@@ -434,6 +467,8 @@ void run_suite(const SuiteOptions& options, Tally& tally) {
       check_deterministic(cases()[4], 128, 128, normalize, tally);
       check_deterministic(cases().back(), 64, 64, normalize, tally);
     }
+    check_kept_forward(cases()[4], 128, 128, tally);    // T = 300
+    check_kept_forward(cases().back(), 64, 32, tally);  // packed, with a length-1 sequence
     check_argument_errors(tally);
   }
   if (options.bench) {

@@ -59,6 +59,9 @@ struct LineageCudaModel::Engines {
 struct LineageCudaModel::PerLayer {
   ops::cuda::DeviceBuffer inv1, a_c, qkv32, q_c, k_c, v_c, g_c, b_c, braw32, graw32, qa32, ka32,
       v32, o32, lse, o_c, inv2, m_c;
+  // linear layers: the normalised form's denominators (fp32 [R, H]), kept with o32 so that the
+  // backward does not run the forward again
+  ops::cuda::DeviceBuffer den32;
   // the MLP: pre-activations [W1 m | W3 m] (bf16 [R, 2F]), silu(W1 m) * W3 m (bf16 [R, F]), and
   // [W1; W3] (bf16 [2F, d], the compute copies side by side, copied by each forward)
   ops::cuda::DeviceBuffer up_c, act_c, w13_c;

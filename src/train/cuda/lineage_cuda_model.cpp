@@ -134,6 +134,7 @@ void LineageCudaModel::ensure_activations(int64_t R) {
       p.ka32 = f32(R * inner);
       p.v32 = f32(R * inner);
       p.o32 = f32(R * inner);
+      p.den32 = f32(R * H);
     }
     if (L.delta_family()) p.b_c = bf(R * H);
     if (L.kind == MixerKind::kda) p.g_c = bf(R * inner);
@@ -328,7 +329,7 @@ void LineageCudaModel::mixer_forward(Layer& L, int64_t l, int64_t B, int64_t T) 
     for (int j = 0; j < 3; ++j)
       k::copy_rows(qkv(j), R, inner, 3 * inner, {dense[j]->data(), kF32}, s);
     k::linear_attn_forward(linear_attn_args(P, c, B, T, R, cu_seqlens_), P.o32.as<float>(),
-                           a.workspace.data(), a.workspace.bytes(), s);
+                           a.workspace.data(), a.workspace.bytes(), s, P.den32.as<float>());
     k::convert(P.o32.data(), kF32, P.o_c.data(), kBf16, R * inner, s);
     return;
   }
@@ -387,7 +388,7 @@ void LineageCudaModel::mixer_backward(Layer& L, int64_t l, int64_t B, int64_t T)
     float* dqkv = a.dlinear32.as<float>();
     k::linear_attn_backward(linear_attn_args(P, c, B, T, R, cu_seqlens_), a.d32a.as<float>(), dqkv,
                             dqkv + R * inner, dqkv + 2 * R * inner, a.workspace.data(),
-                            a.workspace.bytes(), s);
+                            a.workspace.bytes(), s, {P.o32.as<float>(), P.den32.as<float>()});
     for (int j = 0; j < 3; ++j) project_back_f32(j, dqkv + j * R * inner, inner, *Wqkv[j]);
     return;
   }

@@ -648,23 +648,30 @@ size_t linear_attn_workspace_bytes(const LinearAttnShape& shape,
 }
 
 void linear_attn_forward(const LinearAttnDeviceArgs& args, float* o, void* workspace,
-                         size_t workspace_bytes, cudaStream_t stream) {
+                         size_t workspace_bytes, cudaStream_t stream, float* den) {
   const SequenceLayout layout = validate(args, "forward");
   require(o != nullptr, "linear_attn (cuda forward): o is required");
+  require(!den || args.shape.normalize,
+          "linear_attn (cuda forward): den is the normalised form's (this call is plain)");
   const Plan plan = make_plan(args.shape, layout);
   require_workspace(workspace, workspace_bytes, plan.forward_bytes(), "forward");
   Params p = base_params(args, plan, nullptr);
   p.offsets = upload_offsets(layout, args.shape, workspace, stream);
   p.o = o;
+  p.den_out = den;
   run_forward(p, args.shape.K, plan.N * args.shape.H * plan.tiles, stream);
 }
 
 void linear_attn_backward(const LinearAttnDeviceArgs& args, const float* d_o, float* dq, float* dk,
-                          float* dv, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                          float* dv, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                          LinearAttnKeptForward kept) {
   const SequenceLayout layout = validate(args, "backward");
   require(d_o != nullptr, "linear_attn (cuda backward): d_o is required");
   require(dq && dk && dv, "linear_attn (cuda backward): dq, dk and dv are required");
   const LinearAttnShape& s = args.shape;
+  const bool have_kept = kept.o || kept.den;
+  require(!have_kept || (kept.o && kept.den && s.normalize),
+          "linear_attn (cuda backward): a kept forward is o and den of the normalised form");
   const Plan plan = make_plan(s, layout);
   require_workspace(workspace, workspace_bytes, plan.backward_bytes(s.normalize), "backward");
 
@@ -677,20 +684,24 @@ void linear_attn_backward(const LinearAttnDeviceArgs& args, const float* d_o, fl
   p.partial = partial;
   p.dv = dv;
 
-  if (s.normalize) {  // recompute o and den, then w = -scale (o . d_o) / den per (token, head)
+  if (s.normalize) {  // o and den (kept or recomputed), then w = -scale (o . d_o) / den
     float* o = reinterpret_cast<float*>(base + plan.table_bytes + plan.partial_bytes);
     float* den = reinterpret_cast<float*>(reinterpret_cast<char*>(o) + plan.o_bytes);
     float* w = reinterpret_cast<float*>(reinterpret_cast<char*>(den) + plan.row_bytes);
-    Params f = p;
-    f.o = o;
-    f.den_out = den;
-    run_forward(f, s.K, blocks, stream);
+    if (!have_kept) {
+      Params f = p;
+      f.o = o;
+      f.den_out = den;
+      run_forward(f, s.K, blocks, stream);
+    }
+    const float* o_used = have_kept ? kept.o : o;
+    const float* den_used = have_kept ? kept.den : den;
     const int64_t head_rows = plan.rows * s.H;
     const int threads = 256;
     normaliser_weight_kernel<<<unsigned((head_rows * 32 + threads - 1) / threads), threads, 0,
-                               stream>>>(o, d_o, den, head_rows, int(s.V), p.scale, w);
+                               stream>>>(o_used, d_o, den_used, head_rows, int(s.V), p.scale, w);
     check_launch("linear_attn normaliser weight kernel");
-    p.den = den;
+    p.den = den_used;
     p.w = w;
   }
 

@@ -44,15 +44,27 @@ size_t linear_attn_workspace_bytes(const LinearAttnShape& shape,
 
 // o [B, T, H, V] fp32 (overwritten). `workspace` must hold at least the sequence table (any
 // buffer of linear_attn_workspace_bytes bytes does) and must not be used by other work while
-// this call's work runs.
+// this call's work runs. den [B, T, H] (normalised form only; optional): the denominators,
+// kept for linear_attn_backward (LinearAttnKeptForward) so that it need not run the forward
+// again.
 void linear_attn_forward(const LinearAttnDeviceArgs& args, float* o, void* workspace,
-                         size_t workspace_bytes, cudaStream_t stream);
+                         size_t workspace_bytes, cudaStream_t stream, float* den = nullptr);
+
+// What the normalised backward needs from the forward and otherwise recomputes (a forward walk
+// of its own): o and den exactly as linear_attn_forward wrote them for the same args. Both or
+// neither; the plain form takes neither.
+struct LinearAttnKeptForward {
+  const float* o = nullptr;
+  const float* den = nullptr;
+};
 
 // Gradients of sum(o * d_o) with respect to the raw q, k and v (all overwritten, fp32), as
 // ops::linear_attn_chunk_backward computes them (without states). d_o [B, T, H, V]; dq, dk
 // [B, T, H, K]; dv [B, T, H, V]; none may alias an input. `workspace` of
-// linear_attn_workspace_bytes bytes. Deterministic: the same inputs give the same bits.
+// linear_attn_workspace_bytes bytes. Deterministic: the same inputs give the same bits, with or
+// without a kept forward (which holds the bits the recomputation would make).
 void linear_attn_backward(const LinearAttnDeviceArgs& args, const float* d_o, float* dq, float* dk,
-                          float* dv, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                          float* dv, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                          LinearAttnKeptForward kept = {});
 
 }  // namespace kda::ops::cuda
