@@ -344,29 +344,44 @@ void check_deterministic(const Case& c, int64_t K, int64_t V, bool normalize, Ta
   report(tally, "linear_attn backward twice same bits " + describe(c, s), same ? 0.0 : 1.0, 0.0);
 }
 
-// The normalised backward from a kept forward (o and den as the forward wrote them) against the
-// one that recomputes them: the same bits. den is poisoned first, so an element the forward left
-// unwritten turns the gradients to NaN.
+// The normalised backward from a kept forward (o and den as the forward wrote them, a workspace
+// sized for it) against the one that recomputes them: the same bits. den is poisoned first, so
+// an element the forward left unwritten turns the gradients to NaN; and a kept den changed
+// (doubled) must change the gradients, so the kept path is the one that ran.
 void check_kept_forward(const Case& c, int64_t K, int64_t V, Tally& tally) {
   const LinearAttnShape s = shape_of(c, 2, K, V, true);
   const DeviceInputs d = upload_inputs(s, c.cu_seqlens, random_inputs(s));
   const size_t rows = size_t(s.B * s.T * s.H);
   DeviceBuffer o = poisoned(rows * size_t(V)), den = poisoned(rows);
-  cu::linear_attn_forward(d.args, o.as<float>(), d.workspace.data(), d.workspace.bytes(), nullptr,
-                          den.as<float>());
-  DeviceBuffer dq = poisoned(rows * size_t(K)), dk = poisoned(rows * size_t(K));
-  DeviceBuffer dv = poisoned(rows * size_t(V));
-  cu::linear_attn_backward(d.args, d.d_o.as<float>(), dq.as<float>(), dk.as<float>(),
-                           dv.as<float>(), d.workspace.data(), d.workspace.bytes(), nullptr,
-                           {o.as<float>(), den.as<float>()});
-  sync();
-  const DeviceRun kept{{}, download(dq), download(dk), download(dv)}, again = run_backward(d);
-  const bool finite =
-      std::all_of(kept.dq.begin(), kept.dq.end(), [](float x) { return std::isfinite(x); });
-  const bool same = finite && same_bits(kept.dq, again.dq) && same_bits(kept.dk, again.dk) &&
+  DeviceBuffer ws(cu::linear_attn_workspace_bytes(s, c.cu_seqlens, /*kept_forward=*/true));
+  report(tally, "linear_attn kept-forward workspace smaller " + describe(c, s),
+         ws.bytes() < d.workspace.bytes() ? 0.0 : 1.0, 0.0);
+  poison(ws.data(), ws.bytes());
+  cu::linear_attn_forward(d.args, o.as<float>(), ws.data(), ws.bytes(), nullptr, den.as<float>());
+  const auto backward_from = [&](const float* kept_den) {
+    DeviceBuffer dq = poisoned(rows * size_t(K)), dk = poisoned(rows * size_t(K));
+    DeviceBuffer dv = poisoned(rows * size_t(V));
+    cu::linear_attn_backward(d.args, d.d_o.as<float>(), dq.as<float>(), dk.as<float>(),
+                             dv.as<float>(), ws.data(), ws.bytes(), nullptr,
+                             {o.as<float>(), kept_den});
+    sync();
+    return DeviceRun{{}, download(dq), download(dk), download(dv)};
+  };
+  const DeviceRun kept = backward_from(den.as<float>()), again = run_backward(d);
+  std::vector<float> doubled = download(den);
+  for (float& x : doubled) x *= 2.0f;
+  const DeviceBuffer den2 = upload(doubled);
+  const DeviceRun changed = backward_from(den2.as<float>());
+  const auto finite = [](const std::vector<float>& x) {
+    return std::all_of(x.begin(), x.end(), [](float v) { return std::isfinite(v); });
+  };
+  const bool same = finite(kept.dq) && finite(kept.dk) && finite(kept.dv) &&
+                    same_bits(kept.dq, again.dq) && same_bits(kept.dk, again.dk) &&
                     same_bits(kept.dv, again.dv);
   report(tally, "linear_attn backward from the kept forward same bits " + describe(c, s),
          same ? 0.0 : 1.0, 0.0);
+  const bool used = !same_bits(changed.dq, kept.dq) && !same_bits(changed.dv, kept.dv);
+  report(tally, "linear_attn backward reads the kept den " + describe(c, s), used ? 0.0 : 1.0, 0.0);
 }
 
 void check_argument_errors(Tally& tally) {
@@ -405,6 +420,10 @@ void check_argument_errors(Tally& tally) {
   report_throws(tally, "den from a plain forward", [&] {
     cu::linear_attn_forward(with([](auto& a) { a.shape.normalize = false; }), o, ws, ws_bytes,
                             nullptr, o);
+  });
+  report_throws(tally, "kept forward of a plain form", [&] {
+    cu::linear_attn_backward(with([](auto& a) { a.shape.normalize = false; }), d.d_o.as<float>(), o,
+                             o, o, ws, ws_bytes, nullptr, {o, o});
   });
   report_throws(tally, "kept forward without den", [&] {
     cu::linear_attn_backward(d.args, d.d_o.as<float>(), o, o, o, ws, ws_bytes, nullptr,
@@ -469,6 +488,7 @@ void run_suite(const SuiteOptions& options, Tally& tally) {
     }
     check_kept_forward(cases()[4], 128, 128, tally);    // T = 300
     check_kept_forward(cases().back(), 64, 32, tally);  // packed, with a length-1 sequence
+    check_kept_forward(cases()[3], 32, 128, tally);     // T = 65, V > K
     check_argument_errors(tally);
   }
   if (options.bench) {

@@ -530,8 +530,10 @@ StepResult LineageCudaModel::forward_backward(const int32_t* inputs, const int32
         });
       } else if (Lr.kind == MixerKind::linear) {
         const ops::LinearAttnShape shape{packed ? 1 : B, packed ? R : T, H, dh, dh, 0, true};
-        // (one size for both calls: the backward's, which holds the forward's)
-        workspace = std::max(workspace, k::linear_attn_workspace_bytes(shape, cu_seqlens_));
+        // (one size for both calls: the backward's from the kept forward, which holds the
+        // forward's)
+        workspace = std::max(workspace, k::linear_attn_workspace_bytes(shape, cu_seqlens_,
+                                                                       /*kept_forward=*/true));
       } else if (Lr.kind == MixerKind::softmax) {
         for_each_attention(B, T, cu_seqlens_, [&](int64_t, int64_t len, int64_t batch) {
           // this layer's own arguments: with its lse set, as the calls below have it (an unset

@@ -517,8 +517,10 @@ struct Plan {
   int64_t N = 0, rows = 0, tiles = 1;
   size_t table_bytes = 0, partial_bytes = 0, o_bytes = 0, row_bytes = 0;
   size_t forward_bytes() const { return table_bytes; }
-  size_t backward_bytes(bool normalize) const {
-    return table_bytes + partial_bytes + (normalize ? o_bytes + 2 * row_bytes : 0);
+  // normalised: w (and, unless kept from the forward, o and den before it)
+  size_t backward_bytes(bool normalize, bool kept) const {
+    if (!normalize) return table_bytes + partial_bytes;
+    return table_bytes + partial_bytes + (kept ? 0 : o_bytes + row_bytes) + row_bytes;
   }
 };
 
@@ -641,10 +643,10 @@ Params base_params(const LinearAttnDeviceArgs& a, const Plan& plan, const int64_
 }  // namespace
 
 size_t linear_attn_workspace_bytes(const LinearAttnShape& shape,
-                                   std::span<const int64_t> cu_seqlens) {
+                                   std::span<const int64_t> cu_seqlens, bool kept_forward) {
   shape.validate();
   const SequenceLayout layout(shape.B, shape.T, cu_seqlens);
-  return make_plan(shape, layout).backward_bytes(shape.normalize);
+  return make_plan(shape, layout).backward_bytes(shape.normalize, kept_forward);
 }
 
 void linear_attn_forward(const LinearAttnDeviceArgs& args, float* o, void* workspace,
@@ -673,7 +675,8 @@ void linear_attn_backward(const LinearAttnDeviceArgs& args, const float* d_o, fl
   require(!have_kept || (kept.o && kept.den && s.normalize),
           "linear_attn (cuda backward): a kept forward is o and den of the normalised form");
   const Plan plan = make_plan(s, layout);
-  require_workspace(workspace, workspace_bytes, plan.backward_bytes(s.normalize), "backward");
+  require_workspace(workspace, workspace_bytes, plan.backward_bytes(s.normalize, have_kept),
+                    "backward");
 
   char* base = static_cast<char*>(workspace);
   const int64_t* offsets = upload_offsets(layout, s, workspace, stream);
@@ -685,9 +688,11 @@ void linear_attn_backward(const LinearAttnDeviceArgs& args, const float* d_o, fl
   p.dv = dv;
 
   if (s.normalize) {  // o and den (kept or recomputed), then w = -scale (o . d_o) / den
-    float* o = reinterpret_cast<float*>(base + plan.table_bytes + plan.partial_bytes);
-    float* den = reinterpret_cast<float*>(reinterpret_cast<char*>(o) + plan.o_bytes);
-    float* w = reinterpret_cast<float*>(reinterpret_cast<char*>(den) + plan.row_bytes);
+    // [o, den,] w after the partial rows
+    char* next = base + plan.table_bytes + plan.partial_bytes;
+    float* o = have_kept ? nullptr : reinterpret_cast<float*>(next);
+    float* den = have_kept ? nullptr : reinterpret_cast<float*>(next + plan.o_bytes);
+    float* w = reinterpret_cast<float*>(next + (have_kept ? 0 : plan.o_bytes + plan.row_bytes));
     if (!have_kept) {
       Params f = p;
       f.o = o;

@@ -9,8 +9,9 @@
 // normaliser z) in shared memory. The backward walks forward for dq (the state before each
 // chunk) and backward for dk, dv (carrying dS and, normalised, dz). dq and dk are sums over the
 // V tiles: each tile writes its own partial rows into the workspace and a second kernel adds the
-// tiles in tile order (no atomics, so two runs give the same bits). The normalised backward first
-// recomputes o and the denominators (the forward kernel) into the workspace.
+// tiles in tile order (no atomics, so two runs give the same bits). The normalised backward
+// first recomputes o and the denominators (the forward kernel) into the workspace, unless the
+// caller kept them from the forward (LinearAttnKeptForward).
 //
 // Supported: K, V in {32, 64, 128}; any T >= 1. Inputs are not checked for finite values (that
 // would need a device round trip). Bad arguments throw kda::Error before anything is queued;
@@ -37,10 +38,11 @@ struct LinearAttnDeviceArgs {
 
 // Device workspace for either call (the backward's need, which covers the forward's: the forward
 // uses only the sequence table at its start). Backward: the table, per-V-tile partial dq / dk
-// rows (V / 32 * B * T * H * K floats) and, normalised, the recomputed o plus two floats per
-// (token, head).
+// rows (V / 32 * B * T * H * K floats) and, normalised, one float per (token, head) for the
+// normaliser's weight, plus the recomputed o and denominators unless `kept_forward` (a backward
+// that will be given LinearAttnKeptForward; a workspace sized without it serves both).
 size_t linear_attn_workspace_bytes(const LinearAttnShape& shape,
-                                   std::span<const int64_t> cu_seqlens);
+                                   std::span<const int64_t> cu_seqlens, bool kept_forward = false);
 
 // o [B, T, H, V] fp32 (overwritten). `workspace` must hold at least the sequence table (any
 // buffer of linear_attn_workspace_bytes bytes does) and must not be used by other work while
