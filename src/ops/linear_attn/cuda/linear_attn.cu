@@ -76,7 +76,8 @@ struct Params {
   const float* k = nullptr;
   const float* v = nullptr;
   const float* d_o = nullptr;        // backward
-  const int64_t* offsets = nullptr;  // N + 1 sequence starts (token rows), last = B T
+  const int64_t* offsets = nullptr;  // N + 1 sequence starts (token rows), last = B T; or null:
+  int64_t seq_tokens = 0;            // B sequences of seq_tokens tokens
   float* o = nullptr;                // forward output [rows, H, V]
   float* den_out = nullptr;          // forward, normalised: den [rows, H] (tile 0 writes), or null
   const float* den = nullptr;        // backward, normalised: den [rows, H]
@@ -101,8 +102,8 @@ __device__ __forceinline__ BlockWork block_work(const Params& p) {
   const int64_t nh = item / p.tiles;
   b.h = int(nh % p.H);
   const int64_t n = nh / p.H;
-  b.start = p.offsets[n];
-  b.length = p.offsets[n + 1] - b.start;
+  b.start = p.offsets ? p.offsets[n] : n * p.seq_tokens;
+  b.length = p.offsets ? p.offsets[n + 1] - b.start : p.seq_tokens;
   b.v0 = b.tile * kTile;
   return b;
 }
@@ -555,13 +556,16 @@ SequenceLayout validate(const LinearAttnDeviceArgs& a, const char* what) {
   return layout;
 }
 
-// Uploads the N + 1 sequence starts into the workspace's first bytes.
-const int64_t* upload_offsets(const SequenceLayout& layout, const LinearAttnShape& s,
+// Packed sequences: uploads the N + 1 sequence starts into the workspace's first bytes. A copy
+// from pageable memory waits for the stream, so B sequences of T tokens (the training batches of
+// fixed-length examples) take none: the walks compute their starts (null table).
+const int64_t* upload_offsets(const LinearAttnDeviceArgs& args, const SequenceLayout& layout,
                               void* workspace, cudaStream_t stream) {
+  if (args.cu_seqlens.empty()) return nullptr;
   const int64_t N = layout.num_sequences();
   std::vector<int64_t> offsets(size_t(N + 1));
   for (int64_t n = 0; n < N; ++n) offsets[size_t(n)] = layout.start(n);
-  offsets[size_t(N)] = s.B * s.T;
+  offsets[size_t(N)] = args.shape.B * args.shape.T;
   check_cuda(cudaMemcpyAsync(workspace, offsets.data(), offsets.size() * sizeof(int64_t),
                              cudaMemcpyHostToDevice, stream),
              "linear_attn (cuda): copy of the sequence table");
@@ -631,6 +635,7 @@ Params base_params(const LinearAttnDeviceArgs& a, const Plan& plan, const int64_
   p.k = a.k;
   p.v = a.v;
   p.offsets = offsets;
+  p.seq_tokens = a.shape.T;
   p.rows = plan.rows;
   p.H = int(a.shape.H);
   p.V = int(a.shape.V);
@@ -658,7 +663,7 @@ void linear_attn_forward(const LinearAttnDeviceArgs& args, float* o, void* works
   const Plan plan = make_plan(args.shape, layout);
   require_workspace(workspace, workspace_bytes, plan.forward_bytes(), "forward");
   Params p = base_params(args, plan, nullptr);
-  p.offsets = upload_offsets(layout, args.shape, workspace, stream);
+  p.offsets = upload_offsets(args, layout, workspace, stream);
   p.o = o;
   p.den_out = den;
   run_forward(p, args.shape.K, plan.N * args.shape.H * plan.tiles, stream);
@@ -679,7 +684,7 @@ void linear_attn_backward(const LinearAttnDeviceArgs& args, const float* d_o, fl
                     "backward");
 
   char* base = static_cast<char*>(workspace);
-  const int64_t* offsets = upload_offsets(layout, s, workspace, stream);
+  const int64_t* offsets = upload_offsets(args, layout, workspace, stream);
   float* partial = reinterpret_cast<float*>(base + plan.table_bytes);
   const int64_t blocks = plan.N * s.H * plan.tiles;
   Params p = base_params(args, plan, offsets);

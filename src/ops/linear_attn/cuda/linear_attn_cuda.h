@@ -15,8 +15,9 @@
 //
 // Supported: K, V in {32, 64, 128}; any T >= 1. Inputs are not checked for finite values (that
 // would need a device round trip). Bad arguments throw kda::Error before anything is queued;
-// CUDA launch errors throw kda::Error. Nothing synchronises the host; the sequence table is
-// copied from host memory with cudaMemcpyAsync (so not inside a stream capture).
+// CUDA launch errors throw kda::Error. Nothing synchronises the host, except that packed
+// sequences' table is copied from pageable host memory with cudaMemcpyAsync, which waits for the
+// stream (and cannot be captured); B sequences of T tokens need no table.
 #pragma once
 #include <cuda_runtime.h>
 
