@@ -465,10 +465,21 @@ void bench(int64_t B, int64_t T, int64_t H, int64_t K, int64_t V, bool normalize
     cu::linear_attn_backward(d.args, d.d_o.as<float>(), dq.as<float>(), dk.as<float>(),
                              dv.as<float>(), d.workspace.data(), d.workspace.bytes(), nullptr);
   });
+  // the trainer's path: o (and den) kept from the forward, so the backward runs no forward walk
+  DeviceBuffer den(rows * 4);
+  cu::linear_attn_forward(d.args, o.as<float>(), d.workspace.data(), d.workspace.bytes(), nullptr,
+                          normalize ? den.as<float>() : nullptr);
+  const cu::LinearAttnKeptForward kept{o.as<float>(), normalize ? den.as<float>() : nullptr};
+  const double bwd_kept = time_ms(nullptr, [&] {
+    cu::linear_attn_backward(d.args, d.d_o.as<float>(), dq.as<float>(), dk.as<float>(),
+                             dv.as<float>(), d.workspace.data(), d.workspace.bytes(), nullptr,
+                             kept);
+  });
   std::printf(
-      "BENCH linear_attn f32 B=%lld T=%lld H=%lld K=%lld V=%lld %s: fwd %.3f ms, bwd %.3f ms\n",
+      "BENCH linear_attn f32 B=%lld T=%lld H=%lld K=%lld V=%lld %s: fwd %.3f ms, bwd %.3f ms, "
+      "bwd with kept forward %.3f ms\n",
       (long long)B, (long long)T, (long long)H, (long long)K, (long long)V,
-      normalize ? "normalised" : "plain", fwd, bwd);
+      normalize ? "normalised" : "plain", fwd, bwd, bwd_kept);
   std::fflush(stdout);
 }
 
