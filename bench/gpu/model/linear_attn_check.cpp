@@ -469,7 +469,10 @@ void bench(int64_t B, int64_t T, int64_t H, int64_t K, int64_t V, bool normalize
   DeviceBuffer den(rows * 4);
   cu::linear_attn_forward(d.args, o.as<float>(), d.workspace.data(), d.workspace.bytes(), nullptr,
                           normalize ? den.as<float>() : nullptr);
-  const cu::LinearAttnKeptForward kept{o.as<float>(), normalize ? den.as<float>() : nullptr};
+  // (the plain form's backward never needs its forward: it takes no kept forward)
+  const cu::LinearAttnKeptForward kept =
+      normalize ? cu::LinearAttnKeptForward{o.as<float>(), den.as<float>()}
+                : cu::LinearAttnKeptForward{};
   const double bwd_kept = time_ms(nullptr, [&] {
     cu::linear_attn_backward(d.args, d.d_o.as<float>(), dq.as<float>(), dk.as<float>(),
                              dv.as<float>(), d.workspace.data(), d.workspace.bytes(), nullptr,

@@ -33,7 +33,6 @@
 #include <mma.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -384,122 +383,19 @@ __global__ void __launch_bounds__(kThreads, 2) dq_kernel(Params p) {
   }
 }
 
-template <int K>
-constexpr size_t dkdv_smem_floats() {  // Qp, Kp, [A, P] (the dK staging after), V, E, G, Gz, w
-  return 2 * kChunk * kFS<K> + 2 * kChunk * kSS + 2 * kChunk * kTS + K * kTS + K + kChunk;
-}
-
 // The backward walk: partial[tile, row, c] = dKp of this tile (tile 0 with the normaliser's
-// terms) and the tile's columns of dv.
+// terms) and the tile's columns of dv. 113 KB of shared memory at K = 128, so that two blocks
+// share an SM (a layout with separate P, A and V buffers took 140 KB: one block an SM, and the
+// recall shape's 256 blocks in two waves: the backward took 1.28-1.39x as long, session 28). One
+// score buffer serves P, then A, then the dV staging; V is loaded into Kp's space once P and
+// Kp G are done (one more round trip a chunk), and that space holds the dK staging last.
 template <int K>
-__global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
-  constexpr int kOutTiles = 4 * (K / 16), kPerWarp = (kOutTiles + kWarps - 1) / kWarps;
-  static_assert(2 * kChunk * kSS >= kChunk * kFS<K>, "dK staging fits");
-  extern __shared__ __align__(128) float smem[];
-  float* Qp = smem;                  // [C, K + 4]
-  float* Kp = Qp + kChunk * kFS<K>;  // [C, K + 4]
-  float* A = Kp + kChunk * kFS<K>;   // [C, 68]
-  float* P = A + kChunk * kSS;       // [C, 68]
-  float* staged = A;                 // [C, K + 4] over A and P once they are read
-  float* Vs = P + kChunk * kSS;      // [C, 36], the dV staging once read
-  float* Es = Vs + kChunk * kTS;     // [C, 36]
-  float* G = Es + kChunk * kTS;      // [K, 36]
-  float* Gz = G + K * kTS;           // [K]
-  float* ws = Gz + K;                // [C]
-  const BlockWork b = block_work(p);
-  const int warp = threadIdx.x / 32;
-  const bool add_norm = p.normalize && b.tile == 0;
-  float* partial = p.partial + int64_t(b.tile) * p.rows * p.H * K;
-
-  for (int idx = threadIdx.x; idx < K * kTS; idx += kThreads) G[idx] = 0.0f;
-  for (int idx = threadIdx.x; idx < K; idx += kThreads) Gz[idx] = 0.0f;
-  if (b.length <= 0) return;
-
-  const int64_t last_chunk_start = (b.length - 1) / kChunk * kChunk;
-  for (int64_t t0 = last_chunk_start; t0 >= 0; t0 -= kChunk) {
-    const int L = int(b.length - t0 < kChunk ? b.length - t0 : kChunk);
-    const int64_t token0 = b.start + t0;
-    __syncthreads();
-    load_features<K>(p.q, token0, p.H, b.h, L, Qp);
-    load_features<K>(p.k, token0, p.H, b.h, L, Kp);
-    load_tile(p.v, nullptr, 1.0f, token0, p.H, b.h, p.V, b.v0, L, Vs);
-    load_tile(p.d_o, p.normalize ? p.den : nullptr, p.scale, token0, p.H, b.h, p.V, b.v0, L, Es);
-    for (int i = threadIdx.x; i < kChunk; i += kThreads)
-      ws[i] = add_norm && i < L ? p.w[(token0 + i) * p.H + b.h] : 0.0f;
-    __syncthreads();
-    lower_scores(Qp, Kp, kFS<K>, K, P, 0, kWarps / 2);            // Qp Kp^T: warps 0-3
-    lower_scores(Es, Vs, kTS, kTile, A, kWarps / 2, kWarps / 2);  // scale E V^T: warps 4-7
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < kChunk * kChunk; idx += kThreads) {
-      const int i = idx / kChunk, j = idx % kChunk;
-      const bool keep = j <= i;
-      A[i * kSS + j] = keep ? A[i * kSS + j] + ws[i] : 0.0f;
-      if (!keep) P[i * kSS + j] = 0.0f;
-    }
-    __syncthreads();
-
-    // dKp = A^T Qp + V G^T (+ Gz below); dV = scale P^T E + Kp G (one tile a warp)
-    FragC dk[kPerWarp];
-#pragma unroll
-    for (int r = 0; r < kPerWarp; ++r) {
-      const int t = warp + kWarps * r;
-      wmma::fill_fragment(dk[r], 0.0f);
-      if (t >= kOutTiles) continue;
-      const int tj = t / (K / 16), tc = t % (K / 16);
-      product<FragAT, FragB>(dk[r], A + tj * 16, kSS, kSS, Qp + tc * 16, kFS<K>, kFS<K>, tj * 16,
-                             kChunk);
-      product<FragA, FragBT>(dk[r], Vs + tj * 16 * kTS, kTS, 1, G + tc * 16 * kTS, kTS, 1, 0,
-                             kTile);
-    }
-    FragC dv;
-    {
-      const int tj = warp / 2, tv = warp % 2;
-      wmma::fill_fragment(dv, 0.0f);
-      product<FragAT, FragB>(dv, P + tj * 16, kSS, kSS, Es + tv * 16, kTS, kTS, tj * 16, kChunk);
-      product<FragA, FragB>(dv, Kp + tj * 16 * kFS<K>, kFS<K>, 1, G + tv * 16, kTS, kTS, 0, K);
-    }
-    __syncthreads();  // A, P, Vs and G read
-#pragma unroll
-    for (int r = 0; r < kPerWarp; ++r) {
-      const int t = warp + kWarps * r;
-      if (t >= kOutTiles) continue;
-      const int tj = t / (K / 16), tc = t % (K / 16);
-      wmma::store_matrix_sync(staged + tj * 16 * kFS<K> + tc * 16, dk[r], kFS<K>,
-                              wmma::mem_row_major);
-    }
-    wmma::store_matrix_sync(Vs + (warp / 2) * 16 * kTS + (warp % 2) * 16, dv, kTS,
-                            wmma::mem_row_major);
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < L * K; idx += kThreads) {
-      const int j = idx / K, c = idx % K;
-      float d = staged[j * kFS<K> + c];
-      if (add_norm) d += Gz[c];
-      partial[((token0 + j) * p.H + b.h) * K + c] = d;
-    }
-    for (int idx = threadIdx.x; idx < L * kTile; idx += kThreads) {
-      const int j = idx / kTile, v = idx % kTile;
-      p.dv[((token0 + j) * p.H + b.h) * p.V + b.v0 + v] = Vs[j * kTS + v];
-    }
-    add_outer<K>(Qp, Es, G);  // G += scale Qp^T E (E carries the scale)
-    if (add_norm) {
-      __syncthreads();  // Gz read above
-      add_column_sums<K>(Qp, ws, Gz);
-    }
-  }
-}
-
-// Lab (KDA_LINEAR_DKDV_LEAN=1, not yet measured): the same walk in 113 KB of shared memory at
-// K = 128, so that two blocks share an SM (the walk above takes 140 KB: one block an SM, and its
-// 256 blocks of the recall shape run in two waves). One score buffer serves P, then A, then
-// the dV staging; V is loaded into Kp's space once P and Kp G are done (one more round trip a
-// chunk), and that space holds the dK staging last.
-template <int K>
-constexpr size_t dkdv_lean_smem_floats() {  // Qp, Kp (then V, then dK), X (P, A, dV), E, G, Gz, w
+constexpr size_t dkdv_smem_floats() {  // Qp, Kp (then V, then dK), X (P, A, dV), E, G, Gz, w
   return 2 * kChunk * kFS<K> + kChunk * kSS + kChunk * kTS + K * kTS + K + kChunk;
 }
 
 template <int K>
-__global__ void __launch_bounds__(kThreads, 2) dkdv_lean_kernel(Params p) {
+__global__ void __launch_bounds__(kThreads, 2) dkdv_kernel(Params p) {
   constexpr int kOutTiles = 4 * (K / 16), kPerWarp = (kOutTiles + kWarps - 1) / kWarps;
   static_assert(kFS<K> >= kTS, "V fits in Kp's space");
   extern __shared__ __align__(128) float smem[];
@@ -715,16 +611,7 @@ void launch_dq(const Params& p, int64_t blocks, cudaStream_t stream) {
 }
 template <int K>
 void launch_dkdv(const Params& p, int64_t blocks, cudaStream_t stream) {
-  static const bool lean = [] {
-    const char* env = std::getenv("KDA_LINEAR_DKDV_LEAN");  // lab knob (GPU_NOTES, session 27)
-    return env && env[0] == '1';
-  }();
-  if (lean)
-    launch_walk(dkdv_lean_kernel<K>, dkdv_lean_smem_floats<K>(), p, blocks, stream,
-                "linear_attn dk dv kernel (lean)");
-  else
-    launch_walk(dkdv_kernel<K>, dkdv_smem_floats<K>(), p, blocks, stream,
-                "linear_attn dk dv kernel");
+  launch_walk(dkdv_kernel<K>, dkdv_smem_floats<K>(), p, blocks, stream, "linear_attn dk dv kernel");
 }
 
 // Calls fn.template operator()<K>() for the runtime K (32, 64 or 128; validated before).
