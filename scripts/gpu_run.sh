@@ -274,12 +274,15 @@ checks_with() {
   return $rc
 }
 
-# compute-sanitizer --tool $1 on the small case under the knobs $2, its log in $log_dir/$3
+# compute-sanitizer --tool $1 on the small case under the knobs $2, its log in $log_dir/$3; the
+# program and its arguments after (default: kda_gpu_check --small)
 sanitize_small() {
   local tool=$1 knobs=$2 log=$3 rc
+  shift 3
+  [ $# -gt 0 ] || set -- ./build-gpu-app/bin/kda_gpu_check --small
   # shellcheck disable=SC2086
   env $knobs timeout 200 compute-sanitizer --tool "$tool" --error-exitcode 3 \
-    ./build-gpu-app/bin/kda_gpu_check --small >"$log_dir/$log" 2>&1
+    "$@" >"$log_dir/$log" 2>&1
   rc=$?
   echo "$tool: ($(grep -c "^CHECK.*PASS" "$log_dir/$log") checks pass)"
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Race reported|Invalid" "$log_dir/$log" | head -4
@@ -289,12 +292,16 @@ sanitize_small() {
 racecheck_small() { sanitize_small racecheck "$1" "$2"; }
 
 # --sanitize: memcheck, then racecheck, on the small case (~3 minutes; KDA_SANITIZE_KNOBS: a knob
-# set for both), e.g. the first call after a kernel's path changed without a sanitizer run.
+# set for both), e.g. the first call after a kernel's path changed without a sanitizer run; then
+# the same on linear attention's walks (kda_gpu_model --small linear_attn).
 if [ "$mode" = "--sanitize" ]; then
-  build_app kda_gpu_check
+  build_app kda_gpu_check kda_gpu_model
   status=0
   sanitize_small memcheck "${KDA_SANITIZE_KNOBS:-}" small_memcheck.log || status=1
   sanitize_small racecheck "${KDA_SANITIZE_KNOBS:-}" small_racecheck.log || status=1
+  linear=(./build-gpu-app/bin/kda_gpu_model --check --small linear_attn)
+  sanitize_small memcheck "" linear_memcheck.log "${linear[@]}" || status=1
+  sanitize_small racecheck "" linear_racecheck.log "${linear[@]}" || status=1
   exit "$status"
 fi
 

@@ -29,6 +29,8 @@ using ops::cuda::ElementType;
 struct SuiteOptions {
   bool check = true;
   bool bench = false;
+  // a few checks of each kind, for compute-sanitizer (suites without a small set run in full)
+  bool small = false;
   std::string shared_dir;  // the fixtures' root (models/, ops/)
 };
 

@@ -1,8 +1,9 @@
 // kda_gpu_model: the GPU model path's checks and benchmarks (kernels of the model layers, then
 // whole models against the fixtures, then prefill / decode timings).
 //
-//   kda_gpu_model [--check] [--bench] [--shared DIR] [SUITE ...]
+//   kda_gpu_model [--check] [--bench] [--small] [--shared DIR] [SUITE ...]
 //
+// --small: the suites that have one run a small set of checks (for compute-sanitizer).
 // With no suite named, every registered suite runs in registration order of its name. Exit
 // status 1 when any check fails, 2 on a usage error.
 #include <cstdio>
@@ -42,12 +43,16 @@ int main(int argc, char** argv) {
       options.check = true;
     } else if (a == "--bench") {
       options.bench = true;
+    } else if (a == "--small") {
+      options.small = true;
     } else if (a == "--shared" && i + 1 < argc) {
       options.shared_dir = argv[++i];
     } else if (!a.empty() && a[0] != '-' && suites().count(a)) {
       names.push_back(a);
     } else {
-      std::fprintf(stderr, "usage: kda_gpu_model [--check] [--bench] [--shared DIR] [SUITE ...]\n");
+      std::fprintf(
+          stderr,
+          "usage: kda_gpu_model [--check] [--bench] [--small] [--shared DIR] [SUITE ...]\n");
       std::fprintf(stderr, "suites:");
       for (const auto& [name, fn] : suites()) std::fprintf(stderr, " %s", name.c_str());
       std::fprintf(stderr, "\n");
