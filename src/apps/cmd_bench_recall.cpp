@@ -95,8 +95,10 @@ std::string svg_plot(const std::vector<std::string>& tasks, const std::vector<in
   std::ostringstream s;
   const int width = int(tasks.size()) * (panel_w + pad) + pad + 120;
   s << "<svg xmlns='http://www.w3.org/2000/svg' width='" << width << "' height='"
-    << panel_h + 2 * pad << "' font-family='sans-serif' font-size='11'>\n";
+    << panel_h + 2 * pad + 14 << "' font-family='sans-serif' font-size='11'>\n";
   s << "<rect width='100%' height='100%' fill='white'/>\n";
+  s << "<text x='" << pad << "' y='14'>test accuracy (best learning rate) by sequence length"
+    << "</text>\n";
   for (size_t ti = 0; ti < tasks.size(); ++ti) {
     const int x0 = pad + int(ti) * (panel_w + pad), y0 = pad;
     s << "<rect x='" << x0 << "' y='" << y0 << "' width='" << panel_w << "' height='" << panel_h
@@ -117,15 +119,18 @@ std::string svg_plot(const std::vector<std::string>& tasks, const std::vector<in
         << lengths[li] << "</text>\n";
     }
     for (size_t mi = 0; mi < mixers.size(); ++mi) {
-      std::ostringstream points;
+      std::ostringstream points, dots;  // dots: a lone cell (or one hidden under a line) shows
       for (size_t li = 0; li < lengths.size(); ++li) {
         const auto it =
             acc.find(mixers[mi].name + "/" + tasks[ti] + "/" + std::to_string(lengths[li]));
         if (it == acc.end()) continue;
-        points << px(li) << "," << y0 + panel_h - int(it->second * panel_h) << " ";
+        const int x = px(li), y = y0 + panel_h - int(it->second * panel_h);
+        points << x << "," << y << " ";
+        dots << "<circle cx='" << x << "' cy='" << y << "' r='2.5' fill='" << colors[mi % 6]
+             << "'/>";
       }
       s << "<polyline fill='none' stroke-width='2' stroke='" << colors[mi % 6] << "' points='"
-        << points.str() << "'/>\n";
+        << points.str() << "'/>" << dots.str() << "\n";
     }
   }
   for (size_t mi = 0; mi < mixers.size(); ++mi) {
