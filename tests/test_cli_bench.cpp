@@ -63,6 +63,31 @@ TEST(CliBench, RecallWritesJsonOfEveryCell) {
   EXPECT_NE(slurp(out_root / "recall.svg").find("<svg"), std::string::npos);
 }
 
+// docs/RECALL.md's grid is what its command makes of docs/recall_v8192_runs.jsonl: every row of
+// the best-rate table the command writes stands in RECALL.md as it is (a run added to the file
+// without the table, or a table edited by hand, fails here).
+TEST(CliBench, RecallDocsTableIsWhatTheRunsFileGives) {
+  const kda::testing::ScratchDir scratch;
+  const std::filesystem::path out_root(scratch.str()), docs(KDA_DOCS_DIR);
+  std::filesystem::copy_file(docs / "recall_v8192_runs.jsonl", out_root / "recall_runs.jsonl");
+  const CommandResult r =
+      run("bench recall --device cuda --vocab 8192 --kda-gate bounded --gate-dt-max 0.01 --steps "
+          "20000 --lrs 1e-3,5e-4,3e-3 --lengths 256,512,1024,2048 --no-train --out " +
+          out_root.string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string written = slurp(out_root / "recall.md"), doc = slurp(docs / "RECALL.md");
+  std::istringstream lines(written);
+  std::string line;
+  int rows = 0;
+  while (std::getline(lines, line) && !line.empty()) {  // the first table: best rate a cell
+    if (line.rfind("| ", 0) != 0) continue;
+    EXPECT_NE(doc.find(line + "\n"), std::string::npos) << "not in docs/RECALL.md: " << line;
+    EXPECT_EQ(line.find("| - |"), std::string::npos) << "a cell without a run: " << line;
+    ++rows;
+  }
+  EXPECT_EQ(rows, 7) << written;  // the header and six mixers
+}
+
 // --progress N: every run reports its step, mean loss and time a step every N steps (and only
 // then), labelled with its cell, so that a long GPU run's log shows how far it is.
 TEST(CliBench, RecallProgressReportsEveryNSteps) {
