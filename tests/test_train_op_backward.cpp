@@ -1,8 +1,10 @@
 // The backward passes the Kimi Linear training model adds to the ops (short convolution + SiLU,
 // sigmoid-gated RMSNorm, rsqrt L2 normalisation) against float64 central finite differences of
-// sum(y * dy), on fresh random inputs, with NaN-poisoned outputs.
+// sum(y * dy), on fresh random inputs, with NaN-poisoned outputs; and the training models' LM
+// head over the scored rows against its float64 formula.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -11,6 +13,7 @@
 #include "core/random.h"
 #include "ops/conv1d/conv1d.h"
 #include "ops/norm/norm.h"
+#include "train/layers.h"
 
 namespace kda {
 namespace {
@@ -127,6 +130,72 @@ TEST(TrainOpBackward, L2NormalizeRowsMatchesFiniteDifferences) {
   std::vector<float> dx(x.size(), std::numeric_limits<float>::quiet_NaN());
   ops::l2_normalize_rows_backward(xf.data(), rows, D, eps, dyf.data(), dx.data());
   EXPECT_LE(rel(dx, want), 1e-5);
+}
+
+// lm_head_cross_entropy runs the head over the scored rows alone: its loss, counts, dh (zero on
+// the unscored rows) and dW (accumulated) must equal the full head's float64 formula, whether
+// some, all or none of the rows are scored.
+TEST(TrainOpBackward, LmHeadOverScoredRowsMatchesTheFullHead) {
+  const int64_t rows = 37, D = 24, V = 50;
+  for (const double p_scored : {0.3, 1.0, 0.0}) {
+    Random rng(uint64_t(100 + 10 * p_scored));
+    const std::vector<double> h = random_vector(rng, size_t(rows * D));
+    const std::vector<double> W = random_vector(rng, size_t(V * D), 0.3);
+    const std::vector<double> dW0 = random_vector(rng, size_t(V * D));
+    std::vector<int32_t> targets(static_cast<size_t>(rows));
+    for (auto& t : targets) t = rng.uniform(0, 1) < p_scored ? int32_t(rng.integer(0, V - 1)) : -1;
+    // float64 reference over every row
+    int64_t n = 0, hits = 0;
+    for (int32_t t : targets) n += t >= 0;
+    double loss = 0;
+    std::vector<double> dh(size_t(rows * D), 0.0), dW = dW0;
+    for (int64_t r = 0; r < rows; ++r) {
+      if (targets[size_t(r)] < 0) continue;
+      std::vector<double> logit(static_cast<size_t>(V));
+      for (int64_t v = 0; v < V; ++v)
+        for (int64_t k = 0; k < D; ++k)
+          logit[size_t(v)] += h[size_t(r * D + k)] * W[size_t(v * D + k)];
+      const int64_t best = std::max_element(logit.begin(), logit.end()) - logit.begin();
+      hits += best == targets[size_t(r)];
+      double sum = 0;
+      for (double l : logit) sum += std::exp(l - logit[size_t(best)]);
+      loss += logit[size_t(best)] + std::log(sum) - logit[size_t(targets[size_t(r)])];
+      for (int64_t v = 0; v < V; ++v) {
+        const double d =
+            (std::exp(logit[size_t(v)] - logit[size_t(best)]) / sum - (v == targets[size_t(r)])) /
+            double(n);
+        for (int64_t k = 0; k < D; ++k) {
+          dh[size_t(r * D + k)] += d * W[size_t(v * D + k)];
+          dW[size_t(v * D + k)] += d * h[size_t(r * D + k)];
+        }
+      }
+    }
+    if (n) loss /= double(n);
+
+    const std::vector<float> hf = as_float(h), Wf = as_float(W);
+    std::vector<float> dhf(size_t(rows * D), std::numeric_limits<float>::quiet_NaN());
+    std::vector<float> dWf = as_float(dW0);
+    int64_t scored = -1, correct = -1;
+    const double got = train::lm_head_cross_entropy(hf.data(), targets.data(), rows, D, Wf.data(),
+                                                    V, dhf.data(), dWf.data(), &scored, &correct);
+    EXPECT_EQ(scored, n) << p_scored;
+    EXPECT_EQ(correct, hits) << p_scored;
+    EXPECT_NEAR(got, loss, 1e-5 * std::max(1.0, loss)) << p_scored;
+    for (int64_t r = 0; r < rows; ++r) {
+      if (targets[size_t(r)] >= 0) continue;
+      for (int64_t k = 0; k < D; ++k) ASSERT_EQ(dhf[size_t(r * D + k)], 0.0f) << r;
+    }
+    if (n) {
+      EXPECT_LT(rel(dhf, dh), 1e-5) << p_scored;
+    }
+    EXPECT_LT(rel(dWf, dW), 1e-6) << p_scored;
+    // without dh (evaluation): the same loss, dW untouched
+    const std::vector<float> dW_before = dWf;
+    const double eval = train::lm_head_cross_entropy(hf.data(), targets.data(), rows, D, Wf.data(),
+                                                     V, nullptr, dWf.data(), nullptr, nullptr);
+    EXPECT_EQ(eval, got);
+    EXPECT_EQ(dWf, dW_before);
+  }
 }
 
 }  // namespace

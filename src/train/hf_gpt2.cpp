@@ -356,18 +356,14 @@ StepResult Gpt2Trainable::forward_backward(const int32_t* inputs, const int32_t*
   layer_norm_forward(x_final_.data(), rows, E, ln_f_weight_->value.f32(), ln_f_bias_->value.f32(),
                      float(config_.eps), ln_f_out_.data(), ln_f_mean_.data(), ln_f_rstd_.data());
   // tied head: logits = ln_f(x) wte^T
-  std::vector<float> logits(rows * V), dlogits(rows * V);
-  linear_forward(ln_f_out_.data(), rows, E, wte_->value.f32(), V, logits.data());
+  std::vector<float> dln(backward ? rows * E : 0);
   StepResult result;
-  result.loss = cross_entropy(logits.data(), targets, rows, V, dlogits.data(), &result.scored,
-                              &result.correct);
+  result.loss = lm_head_cross_entropy(ln_f_out_.data(), targets, rows, E, wte_->value.f32(), V,
+                                      backward ? dln.data() : nullptr, wte_->grad.f32(),
+                                      &result.scored, &result.correct);
   if (!backward) return result;
-  logits = {};
 
-  std::vector<float> dln(rows * E), dh(rows * E, 0.0f);
-  linear_backward(ln_f_out_.data(), dlogits.data(), rows, E, wte_->value.f32(), V, dln.data(),
-                  wte_->grad.f32());
-  dlogits = {};
+  std::vector<float> dh(rows * E, 0.0f);
   layer_norm_backward(x_final_.data(), dln.data(), rows, E, ln_f_weight_->value.f32(),
                       ln_f_mean_.data(), ln_f_rstd_.data(), dh.data(), ln_f_weight_->grad.f32(),
                       ln_f_bias_->grad.f32());

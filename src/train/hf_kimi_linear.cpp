@@ -246,23 +246,20 @@ StepResult KimiLinearTrainable::forward_backward(const int32_t* inputs, const in
     }
     for (int64_t i = 0; i < N * D; ++i) h[i] += tmp[i];
   }
-  std::vector<float> hf(size_t(N * D)), inv_f(static_cast<size_t>(N)), logits(size_t(N * V)),
-      dlogits(size_t(N * V));
+  std::vector<float> hf(size_t(N * D)), inv_f(static_cast<size_t>(N));
   rms_norm_forward(h.data(), N, D, final_norm_->value.f32(), eps, hf.data(), inv_f.data());
-  linear_forward(hf.data(), N, D, lm_head_->value.f32(), V, logits.data());
+  std::vector<float> dhf(backward ? size_t(N * D) : 0);
   StepResult result;
-  result.loss =
-      cross_entropy(logits.data(), targets, N, V, dlogits.data(), &result.scored, &result.correct);
+  result.loss = lm_head_cross_entropy(hf.data(), targets, N, D, lm_head_->value.f32(), V,
+                                      backward ? dhf.data() : nullptr, lm_head_->grad.f32(),
+                                      &result.scored, &result.correct);
   if (!backward) {  // evaluation passes do not count toward expert balancing
     for (auto& L : layers_)
       if (L->moe) L->moe->update_bias(0.0f);
     return result;
   }
 
-  std::vector<float> dhf(size_t(N * D)), dh(size_t(N * D)), dtmp(size_t(N * D)),
-      dnorm(size_t(N * D));
-  linear_backward(hf.data(), dlogits.data(), N, D, lm_head_->value.f32(), V, dhf.data(),
-                  lm_head_->grad.f32());
+  std::vector<float> dh(size_t(N * D)), dtmp(size_t(N * D)), dnorm(size_t(N * D));
   rms_norm_backward(h.data(), dhf.data(), N, D, final_norm_->value.f32(), inv_f.data(), dh.data(),
                     final_norm_->grad.f32());
   for (auto it = layers_.rbegin(); it != layers_.rend(); ++it) {

@@ -135,4 +135,46 @@ double cross_entropy(const float* logits, const int32_t* targets, int64_t rows, 
   return n ? loss / double(n) : 0.0;
 }
 
+double lm_head_cross_entropy(const float* h, const int32_t* targets, int64_t rows, int64_t D,
+                             const float* W, int64_t vocab, float* dh, float* dW, int64_t* scored,
+                             int64_t* correct) {
+  std::vector<int64_t> kept;
+  for (int64_t r = 0; r < rows; ++r)
+    if (targets[r] >= 0) kept.push_back(r);
+  const int64_t R = int64_t(kept.size());
+  if (dh) std::fill(dh, dh + rows * D, 0.0f);
+  if (R == 0) {
+    if (scored) *scored = 0;
+    if (correct) *correct = 0;
+    return 0.0;
+  }
+  // every row scored: no copies
+  const bool all = R == rows;
+  std::vector<float> h_kept;
+  std::vector<int32_t> t_kept;
+  if (!all) {
+    h_kept.resize(size_t(R * D));
+    t_kept.resize(size_t(R));
+    for (int64_t i = 0; i < R; ++i) {
+      std::copy_n(h + kept[size_t(i)] * D, D, h_kept.data() + i * D);
+      t_kept[size_t(i)] = targets[kept[size_t(i)]];
+    }
+  }
+  const float* hr = all ? h : h_kept.data();
+  const int32_t* tr = all ? targets : t_kept.data();
+  std::vector<float> logits(size_t(R * vocab)), dlogits(size_t(R * vocab));
+  linear_forward(hr, R, D, W, vocab, logits.data());
+  const double loss = cross_entropy(logits.data(), tr, R, vocab, dlogits.data(), scored, correct);
+  if (!dh) return loss;
+  logits = {};
+  if (all) {
+    linear_backward(hr, dlogits.data(), R, D, W, vocab, dh, dW);
+    return loss;
+  }
+  std::vector<float> dh_kept(size_t(R * D));
+  linear_backward(hr, dlogits.data(), R, D, W, vocab, dh_kept.data(), dW);
+  for (int64_t i = 0; i < R; ++i) std::copy_n(dh_kept.data() + i * D, D, dh + kept[size_t(i)] * D);
+  return loss;
+}
+
 }  // namespace kda::train

@@ -44,4 +44,13 @@ void swiglu_backward(const float* a, const float* b, const float* dh, int64_t n,
 double cross_entropy(const float* logits, const int32_t* targets, int64_t rows, int64_t vocab,
                      float* dlogits, int64_t* scored, int64_t* correct);
 
+// The LM head and cross_entropy over the scored rows alone (target >= 0): logits = h W^T (W:
+// [vocab, D]) for those rows; when dh is given, dh = dlogits W (overwritten; zero on unscored
+// rows) and dW += dlogits^T h. Returns the mean loss, as cross_entropy. Recall tasks score a
+// fraction of the positions (MQAR 1/8, Palindrome 1/2) and the head is most of a small model's
+// step; when every row is scored (text) it is the plain head.
+double lm_head_cross_entropy(const float* h, const int32_t* targets, int64_t rows, int64_t D,
+                             const float* W, int64_t vocab, float* dh, float* dW, int64_t* scored,
+                             int64_t* correct);
+
 }  // namespace kda::train

@@ -250,17 +250,16 @@ StepResult LineageModel::forward_backward(const int32_t* inputs, const int32_t* 
     linear_forward(b.act.data(), rows, F, b.W2->value.f32(), d, tmp.data());
     for (int64_t i = 0; i < rows * d; ++i) h[i] += tmp[i];
   }
-  std::vector<float> hf(rows * d), inv_f(rows), logits(rows * V), dlogits(rows * V);
+  std::vector<float> hf(rows * d), inv_f(rows);
   rms_norm_forward(h.data(), rows, d, final_norm_->value.f32(), eps, hf.data(), inv_f.data());
-  linear_forward(hf.data(), rows, d, lm_head_->value.f32(), V, logits.data());
+  std::vector<float> dhf(backward ? rows * d : 0);
   StepResult result;
-  result.loss = cross_entropy(logits.data(), targets, rows, V, dlogits.data(), &result.scored,
-                              &result.correct);
+  result.loss = lm_head_cross_entropy(hf.data(), targets, rows, d, lm_head_->value.f32(), V,
+                                      backward ? dhf.data() : nullptr, lm_head_->grad.f32(),
+                                      &result.scored, &result.correct);
   if (!backward) return result;
 
-  std::vector<float> dhf(rows * d), dh(rows * d), dtmp(rows * d);
-  linear_backward(hf.data(), dlogits.data(), rows, d, lm_head_->value.f32(), V, dhf.data(),
-                  lm_head_->grad.f32());
+  std::vector<float> dh(rows * d), dtmp(rows * d);
   rms_norm_backward(h.data(), dhf.data(), rows, d, final_norm_->value.f32(), inv_f.data(),
                     dh.data(), final_norm_->grad.f32());
   for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) {
