@@ -301,6 +301,28 @@ TEST(CliBench, RecallSweepBelowTrainsOtherRatesOnlyWhereNeeded) {
 
 // kda bench tasks: one line a task and length, the same hash on a second call (the streams are
 // seeded), and a clear error on a bad flag.
+// bench train on a recall task: the head runs over the answers alone, and the line saying how
+// many positions were scored tells the reader what the FLOP rate counts.
+TEST(CliBench, TrainTimesRandomTokensOrATasksBatches) {
+  const std::string model =
+      "bench train --pattern DK --width 32 --heads 2 --head-dim 16 --mlp 32 --vocab 64 "
+      "--seq-len 64 --batch 2 --steps 1";
+  const CommandResult plain = run(model);
+  ASSERT_EQ(plain.status, 0) << plain.output;
+  EXPECT_NE(plain.output.find("tokens/s"), std::string::npos) << plain.output;
+  EXPECT_EQ(plain.output.find("positions scored"), std::string::npos) << plain.output;
+  const CommandResult mqar = run(model + " --task mqar");
+  ASSERT_EQ(mqar.status, 0) << mqar.output;
+  const size_t at = mqar.output.find("task mqar: ");
+  ASSERT_NE(at, std::string::npos) << mqar.output;
+  // MQAR at length 64: 8 pairs, 8 answers of 64 positions
+  const double share = std::stod(mqar.output.substr(at + 11));
+  EXPECT_NEAR(share, 12.5, 0.01) << mqar.output;
+  const CommandResult bad = run(model + " --task copying");
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.output.find("unknown task 'copying'"), std::string::npos) << bad.output;
+}
+
 TEST(CliBench, TasksTimesEveryTaskAndHashesItsBatches) {
   const std::string args = "bench tasks --lengths 16,32 --vocab 64 --batch 4 --batches 2";
   const CommandResult first = run(args), second = run(args);

@@ -1,12 +1,14 @@
 // kda bench train: training throughput on this machine. A few optimizer steps of a model (a
-// kimi_linear / gpt2 config, or a lineage pattern) on random tokens; tokens/s, the model FLOP
-// rate by the 6 N rule (N: the matrix parameters one token multiplies through, experts
-// counted at top_k / num_experts, the embedding lookup not at all) and that rate against the
-// measured fp32 GEMM ceiling.
+// kimi_linear / gpt2 config, or a lineage pattern) on random tokens, or on a recall task's
+// batches (only their answers are scored, and the LM head runs over those rows alone);
+// tokens/s, the model FLOP rate by the 6 N rule (N: the matrix parameters one token multiplies
+// through, experts counted at top_k / num_experts, the embedding lookup not at all, the head
+// at the share of rows scored) and that rate against the measured fp32 GEMM ceiling.
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,6 +19,7 @@
 #include "core/timer.h"
 #include "train/adamw.h"
 #include "train/model_factory.h"
+#include "train/tasks.h"
 
 namespace kda::apps {
 namespace {
@@ -27,15 +30,18 @@ void print_usage() {
   std::puts(
       "usage: kda bench train [--model CONFIG.json | --pattern KKKA --width 256 --heads 2\n"
       "                        --head-dim 128 --mlp 512 --vocab 8192] [--seq-len 256]\n"
-      "                        [--batch 8] [--steps 5]\n"
+      "                        [--batch 8] [--steps 5] [--task mqar|palindrome|stack]\n"
       "\n"
       "Times --steps optimizer steps (after one warm-up step) of forward, backward and AdamW on\n"
-      "random tokens, and prints tokens/s, model GFLOP/s (6 N per token, N the matrix\n"
-      "parameters a token passes through) and that rate as a share of the fp32 GEMM ceiling.");
+      "random tokens (every position scored), or with --task on that recall task's batches\n"
+      "(only the answers scored: the LM head runs over those rows alone), and prints tokens/s,\n"
+      "model GFLOP/s (6 N per token, N the matrix parameters a token passes through, the head\n"
+      "counted at the share of rows scored) and that rate as a share of the fp32 GEMM ceiling.");
 }
 
-// Matrix parameters one token multiplies through (see the file comment).
-double active_matrix_params(train::TrainableModel& model, const json& config) {
+// Matrix parameters one token multiplies through (see the file comment); the LM head (its own
+// matrix, or GPT-2's tied wte) counts at head_share, the share of rows it runs over.
+double active_matrix_params(train::TrainableModel& model, const json& config, double head_share) {
   const std::string type = config.at("model_type");
   double experts_share = 1.0;
   if (type == "kimi_linear" && config.value("num_experts", 0) > 0)
@@ -46,7 +52,10 @@ double active_matrix_params(train::TrainableModel& model, const json& config) {
     const std::string& name = p->name;
     if (name == "model.embed_tokens.weight" || name == "embed" || name.ends_with("wpe.weight"))
       continue;  // lookups (GPT-2's tied wte is its head, so it counts)
-    const double share = name.find(".experts.") != std::string::npos ? experts_share : 1.0;
+    const bool head = name == "lm_head" || name == "lm_head.weight" || name.ends_with("wte.weight");
+    const double share = head                                          ? head_share
+                         : name.find(".experts.") != std::string::npos ? experts_share
+                                                                       : 1.0;
     n += share * double(p->value.numel());
   }
   return n;
@@ -56,7 +65,7 @@ double active_matrix_params(train::TrainableModel& model, const json& config) {
 
 int cmd_bench_train(const Args& args) {
   train::LineageConfig lineage{8192, 256, 2, 128, 512, "KKKA"};
-  std::string model_path;
+  std::string model_path, task;
   int64_t seq_len = 256, batch = 8, steps = 5;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -85,6 +94,8 @@ int cmd_bench_train(const Args& args) {
       batch = parse_int(v, a);
     else if (a == "--steps")
       steps = parse_int(v, a);
+    else if (a == "--task")
+      task = v;
     else
       throw Error("bench train: unknown option '" + a + "' (see kda bench train --help)");
   }
@@ -104,9 +115,20 @@ int cmd_bench_train(const Args& args) {
   train::AdamW adamw(model->params(), opt);
   Random rng(2);
   std::vector<int32_t> inputs(size_t(batch * seq_len)), targets(inputs.size());
+  std::optional<train::TaskStream> tasks;
+  if (!task.empty()) tasks.emplace(train::TaskSpec{train::parse_task(task), vocab, seq_len}, 2, 0);
+  int64_t scored = 0, rows = 0;
   auto step = [&] {
-    for (auto& x : inputs) x = int32_t(rng.integer(0, vocab - 1));
-    for (auto& x : targets) x = int32_t(rng.integer(0, vocab - 1));
+    if (tasks) {
+      train::Batch b = tasks->next(batch);
+      inputs = std::move(b.inputs);
+      targets = std::move(b.targets);
+    } else {
+      for (auto& x : inputs) x = int32_t(rng.integer(0, vocab - 1));
+      for (auto& x : targets) x = int32_t(rng.integer(0, vocab - 1));
+    }
+    for (int32_t t : targets) scored += t >= 0;
+    rows += int64_t(targets.size());
     model->zero_grad();
     model->forward_backward(inputs.data(), targets.data(), batch, seq_len, true);
     adamw.step();
@@ -126,8 +148,12 @@ int cmd_bench_train(const Args& args) {
   std::sort(times.begin(), times.end());
   const double median = times[times.size() / 2];
   const double tokens = double(batch * seq_len);
-  const double n = active_matrix_params(*model, config);
+  const double head_share = double(scored) / double(rows);
+  const double n = active_matrix_params(*model, config, head_share);
   const double gflops = 6.0 * n * tokens / median / 1e9;
+  if (tasks)
+    std::printf("task %s: %.1f %% of the positions scored (the LM head's rows)\n", task.c_str(),
+                100.0 * head_share);
   Table table({"batch x seq", "step ms (median)", "tokens/s", "6N GFLOP/s", "% of GEMM"});
   table.add({std::to_string(batch) + " x " + std::to_string(seq_len), fmt(median * 1e3, 1),
              fmt(tokens / median, 0), fmt(gflops, 1), fmt(100.0 * gflops / gemm, 1)});
