@@ -16,11 +16,12 @@ namespace kda {
 namespace {
 
 const std::string kDefault = std::string(KDA_MODELS_DIR) + "/kimi-mini";
-// The shipped model scores 5.79 nats/token on this text; a unigram model of its training
-// corpus scores 6.94 (add-one smoothed), the uniform distribution ln 8192 = 9.01.
-constexpr double kDefaultModelMaxLoss = 6.2;
+// The shipped model scores 4.35 nats/token on this text (the first default, trained on Brown
+// alone: 5.79); a unigram model of Brown scores 6.94 (add-one smoothed), the uniform
+// distribution ln 8192 = 9.01. The bound keeps a regression to the first default's level out.
+constexpr double kDefaultModelMaxLoss = 5.0;
 
-// Not from the Brown corpus (the training data).
+// Not from the training text (Brown, the State of the Union addresses).
 const char* kHeldOut =
     "The committee met on Tuesday morning to discuss the new budget. Several members said that "
     "the city could not afford another increase in taxes, and the mayor agreed to review the "

@@ -12,6 +12,7 @@
 
 #include <fcntl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <csignal>
@@ -57,9 +58,11 @@ const Loaded& loaded() {
 std::vector<int32_t> greedy_ids(const std::vector<int32_t>& prompt, int64_t n) {
   const auto session = loaded().lm->start_session();
   Tensor last = session->feed_last(prompt);
+  const std::vector<int32_t> stops = loaded().tok->stop_ids();
   std::vector<int32_t> out;
   for (int64_t i = 0; i < n; ++i) {
     const int32_t next = runtime::argmax(last.span_f32());
+    if (std::find(stops.begin(), stops.end(), next) != stops.end()) break;  // as the server ends
     out.push_back(next);
     last = session->feed_last(std::span<const int32_t>(&next, 1));
   }
@@ -111,7 +114,9 @@ TEST(ServerGeneration, LongPromptsArePrefilledInPieces) {
   std::string prompt;
   while (int64_t(encode(prompt).size()) < 2 * Generation::kPrefillPiece + 37)
     prompt += "The city said that the jury was not in the way at the first. ";
+  prompt += "In the morning, the men of the";  // mid-sentence: text follows, not end-of-text
   const std::vector<int32_t> ids = greedy_ids(encode(prompt), 8);
+  ASSERT_EQ(ids.size(), 8u);
   Generation g(*loaded().lm, *loaded().tok, greedy(prompt, 8), 0, limit(0));
   int empty_steps = 0;
   while (!g.done() && g.step().empty()) ++empty_steps;
