@@ -1,4 +1,5 @@
 // kda: one binary, subcommands.
+#include <malloc.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -35,6 +36,18 @@ void print_usage() {
       "run 'kda <command> --help' for a command's options");
 }
 
+// Keeps freed buffers in the heap instead of handing them back to the kernel. The trainers (and
+// prefill) allocate the same large temporaries every step; by default glibc serves each from a
+// fresh mmap and unmaps it on free, so every step pays page faults and the kernel's zeroing
+// again: 1.3x on a small recall model's step (docs/PERF.md). The process keeps its peak
+// footprint instead, which one job a process can afford.
+void keep_freed_memory() {
+#ifdef __GLIBC__
+  mallopt(M_MMAP_THRESHOLD, 1 << 30);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -48,6 +61,7 @@ int main(int argc, char** argv) {
     print_usage();
     return argc < 2 ? 2 : 0;
   }
+  keep_freed_memory();
   const std::string command = argv[1];
   const kda::apps::Args args(argv + 2, argv + argc);
 #ifdef KDA_HAVE_CUDA
