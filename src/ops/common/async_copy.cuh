@@ -50,23 +50,4 @@ __device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, uint32_t
       : "memory");
 }
 
-// Makes this thread's writes to shared memory visible to the async proxy (a bulk store that
-// reads them after a barrier).
-__device__ __forceinline__ void fence_proxy_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) from shared to global memory by
-// the copy engine, in the thread's current bulk group.
-__device__ __forceinline__ void bulk_store(void* gmem, const void* smem, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(gmem),
-               "r"(smem_addr(smem)), "r"(bytes)
-               : "memory");
-}
-// Closes the thread's bulk group and waits until its stores have read their shared memory (the
-// block may then exit or reuse it; the global writes complete with the grid).
-__device__ __forceinline__ void bulk_store_wait_read() {
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-}
-
 }  // namespace kda::ops::cuda_detail
