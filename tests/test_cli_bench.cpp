@@ -208,6 +208,28 @@ TEST(CliBench, RecallContinueReusesFinishedRuns) {
   EXPECT_EQ(runs.size(), 4u);  // 2 with 3 steps, 2 with 4
 }
 
+// --hybrid-rope trains the hybrid with RoPE on its softmax layer: a setting of its own, so runs
+// made without it are not reused for it (and the other way round).
+TEST(CliBench, RecallHybridRopeIsASettingOfItsOwn) {
+  const kda::testing::ScratchDir scratch;
+  const auto out = std::filesystem::path(scratch.str()) / "recall_hybrid_rope";
+  const std::string base =
+      "bench recall --quick --lengths 16 --mixers kda+softmax --tasks stack --lrs 3e-3 "
+      "--steps 3 --out " +
+      out.string();
+  const CommandResult rope = run(base + " --hybrid-rope");
+  ASSERT_EQ(rope.status, 0) << rope.output;
+  const auto runs = read_runs(out / "recall_runs.jsonl");
+  ASSERT_EQ(runs.size(), 1u);
+  EXPECT_EQ(runs[0]["settings"].value("hybrid_rope", false), true);
+  const CommandResult nope = run(base + " --continue");
+  ASSERT_EQ(nope.status, 0) << nope.output;
+  EXPECT_NE(nope.output.find("reusing 0 finished runs"), std::string::npos) << nope.output;
+  const auto both = read_runs(out / "recall_runs.jsonl");
+  ASSERT_EQ(both.size(), 2u);
+  EXPECT_FALSE(both[1]["settings"].contains("hybrid_rope"));
+}
+
 // --shard I/N: N calls over the same runs file split the missing runs between them, each run
 // in exactly one shard; --no-train reports the merged file without training, and a cell with
 // no run yet shows "-" (and is left out of recall.json).

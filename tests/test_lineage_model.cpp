@@ -22,12 +22,18 @@ using train::LineageModel;
 
 // d loss / d theta along u = grad / |grad|, per parameter tensor, by central differences.
 TEST(LineageModel, EveryParameterGradientMatchesDirectionalFiniteDifferences) {
-  const std::vector<std::pair<const char*, const char*>> cases = {
+  struct Case {
+    const char* pattern;
+    const char* gate;
+    bool hybrid_rope = false;
+  };
+  const std::vector<Case> cases = {
       {"AK", "softplus"}, {"LD", "softplus"}, {"GK", "softplus"}, {"KKKA", "softplus"},
-      {"AA", "softplus"}, {"KM", "softplus"}, {"KA", "bounded"}};
-  for (const auto& [pattern, gate] : cases) {
+      {"AA", "softplus"}, {"KM", "softplus"}, {"KA", "bounded"},  {"DA", "softplus", true}};
+  for (const auto& [pattern, gate, hybrid_rope] : cases) {
     LineageConfig config{32, 16, 2, 8, 24, pattern};
     config.kda_gate = gate;
+    config.hybrid_rope = hybrid_rope;
     LineageModel model(config, 11);
     // larger weights than the training init: bigger gradients, far above fp32 loss noise
     for (train::Param* p : model.params())
@@ -206,6 +212,35 @@ TEST(LineageModel, ConfigJsonKeepsTheGateSettings) {
   EXPECT_EQ(old_back.kda_gate, "softplus");
   EXPECT_EQ(old_back.gate_dt_max, 0.1f);
   EXPECT_FALSE(old_back.gate_dt_per_channel);
+}
+
+// --hybrid-rope: RoPE on a hybrid's softmax layer (default NoPE); models without a softmax layer
+// and all-softmax models (always RoPE) are the same either way; checkpoints keep the choice.
+TEST(LineageModel, HybridRopeOptionRotatesOnlyTheHybridsSoftmaxLayers) {
+  Random rng(41);
+  const int64_t B = 2, T = 11;
+  std::vector<int32_t> in(B * T), tg(B * T);
+  for (auto& x : in) x = int32_t(rng.integer(0, 31));
+  for (auto& x : tg) x = int32_t(rng.integer(0, 31));
+  auto loss = [&](const std::string& pattern, bool hybrid_rope) {
+    LineageConfig c{32, 16, 2, 8, 24, pattern};
+    c.hybrid_rope = hybrid_rope;
+    EXPECT_EQ(c.softmax_rope(), hybrid_rope || pattern == "AA") << pattern;
+    LineageModel m(c, 9);
+    const double l = m.forward_backward(in.data(), tg.data(), B, T, false).loss;
+    EXPECT_TRUE(std::isfinite(l)) << pattern;
+    return l;
+  };
+  EXPECT_NE(loss("KA", true), loss("KA", false));
+  EXPECT_NE(loss("AK", true), loss("AK", false));
+  EXPECT_EQ(loss("AA", true), loss("AA", false));
+  EXPECT_EQ(loss("KD", true), loss("KD", false));
+  LineageConfig c{64, 32, 2, 16, 64, "KKKA"};
+  c.hybrid_rope = true;
+  nlohmann::json j = train::lineage_config_json(c);
+  EXPECT_TRUE(train::lineage_config_from_json(j).hybrid_rope);
+  j.erase("hybrid_softmax_rope");  // an older checkpoint: NoPE, as it was trained
+  EXPECT_FALSE(train::lineage_config_from_json(j).hybrid_rope);
 }
 
 TEST(LineageModel, AdamWFitsAFixedBatch) {

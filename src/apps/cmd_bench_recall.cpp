@@ -45,7 +45,7 @@ void print_usage() {
       "                        [--device cpu|cuda] [--kda-gate softplus|bounded] [--vocab V]\n"
       "                        [--gate-dt-max 0.1] [--seeds 1] [--continue] [--no-train]\n"
       "                        [--shard I/N] [--sweep-below A] [--gate-dt-per-channel]\n"
-      "                        [--progress N]\n"
+      "                        [--progress N] [--hybrid-rope]\n"
       "\n"
       "Trains 2-layer models (2 heads, equal width across mixers) of each kind: softmax, linear,\n"
       "delta, gated_delta, kda and the kda+softmax hybrid, on MQAR (length/8 key-value pairs),\n"
@@ -75,7 +75,9 @@ void print_usage() {
       "(the first of --lrs) reached a mean accuracy below A (e.g. 0.99: the best of three\n"
       "cannot beat ~100 %); until the first rate's runs of a cell are finished (in this call\n"
       "or an earlier one), its other rates wait for a later --continue call.\n"
-      "--progress N: every run prints its step, mean loss and time a step every N steps.");
+      "--progress N: every run prints its step, mean loss and time a step every N steps.\n"
+      "--hybrid-rope puts RoPE on the hybrid's softmax layer (default NoPE, as Kimi Linear's\n"
+      "MLA; the softmax model always has RoPE).");
 }
 
 std::vector<std::string> split(const std::string& text) {
@@ -156,7 +158,7 @@ int cmd_bench_recall(const Args& args) {
   int64_t jobs = 1, batch = 0, vocab_option = 0, seeds = 1, progress_every = 0;
   std::string device = "cpu", kda_gate = "softplus";
   float gate_dt_max = 0.1f;
-  bool gate_dt_per_channel = false;
+  bool gate_dt_per_channel = false, hybrid_rope = false;
   double sweep_below = 2;  // --sweep-below: off (every learning rate of every cell)
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -178,6 +180,10 @@ int cmd_bench_recall(const Args& args) {
     }
     if (a == "--gate-dt-per-channel") {
       gate_dt_per_channel = true;
+      continue;
+    }
+    if (a == "--hybrid-rope") {
+      hybrid_rope = true;
       continue;
     }
     const std::string value = flag_value(args, i);
@@ -267,6 +273,7 @@ int cmd_bench_recall(const Args& args) {
                              {"device", device}};
   // (only when set: the runs of earlier calls, made without it, stay reusable)
   if (gate_dt_per_channel) settings["gate_dt_per_channel"] = true;
+  if (hybrid_rope) settings["hybrid_rope"] = true;
   // Every (task, length, mixer, lr, seed) is one independent training run; --jobs runs that
   // many at once, each single-threaded (small models scale better across runs than inside one).
   struct Cell {
@@ -382,6 +389,7 @@ int cmd_bench_recall(const Args& args) {
       run.model.kda_gate = kda_gate;
       run.model.gate_dt_max = gate_dt_max;
       run.model.gate_dt_per_channel = gate_dt_per_channel;
+      run.model.hybrid_rope = hybrid_rope;
       run.device = device;
       run.task = {train::parse_task(c.task), vocab, c.T, 0};
       run.lr = c.lr;

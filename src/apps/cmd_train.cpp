@@ -49,6 +49,7 @@ void print_usage() {
       "                 [--text PATH --tokenizer TOK [--val-every 10] [--split-paragraphs]]\n"
       "                 [--eval-every N] [--eval-examples N] [--device cpu|cuda]\n"
       "                 [--kda-gate softplus|bounded] [--gate-dt-max 0.1] [--gate-dt-per-channel]\n"
+      "                 [--hybrid-rope]\n"
       "       kda train --model CONFIG.json|MODEL_DIR --out DIR [the options above]\n"
       "       kda train --resume DIR [--stop-after N] [--device cpu|cuda]\n"
       "\n"
@@ -66,6 +67,8 @@ void print_usage() {
       "GPU it also skips the test for chunks that decay past the kernel's bf16 split.\n"
       "--gate-dt-per-channel: KDA's starting decay drawn per channel, as fla's layer\n"
       "does, instead of once per head.\n"
+      "--hybrid-rope: RoPE on a hybrid's softmax layers too (default NoPE there, as Kimi\n"
+      "Linear's MLA; an all-softmax model always has RoPE).\n"
       "\n"
       "--model trains a Hugging Face architecture instead of a lineage model: a kimi_linear or\n"
       "gpt2 config.json (fresh weights), or a model folder (its weights are the start). DIR is\n"
@@ -104,6 +107,10 @@ int cmd_train(const Args& args) {
     }
     if (a == "--gate-dt-per-channel") {  // a switch: KDA's dt drawn per channel (fla's init)
       s.model.gate_dt_per_channel = true;
+      continue;
+    }
+    if (a == "--hybrid-rope") {  // a switch: RoPE on a hybrid's softmax layers too
+      s.model.hybrid_rope = true;
       continue;
     }
     const std::string v = flag_value(args, i);

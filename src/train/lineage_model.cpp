@@ -182,8 +182,7 @@ LineageModel::LineageModel(const LineageConfig& config, uint64_t seed) : config_
             w.A_log->value.f32()[h] = 0.0f;
         }
       }
-      const bool all_softmax = config.pattern.find_first_not_of('A') == std::string::npos;
-      block->mixer = std::make_unique<MixerLayer>(kind, d, H, dh, w, all_softmax);
+      block->mixer = std::make_unique<MixerLayer>(kind, d, H, dh, w, config.softmax_rope());
       block->mixer->set_kda_options(config.kda_options());
     }
     block->norm2 = add(pre + "norm2", {d}, false);

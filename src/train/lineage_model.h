@@ -43,6 +43,12 @@ struct LineageConfig {
   // KDA's dt drawn per channel (fla's KimiDeltaAttention init) instead of once per head (our
   // default: KDA starts as Gated DeltaNet does, docs/RECALL.md)
   bool gate_dt_per_channel = false;
+  // RoPE on the softmax layers of a hybrid too (default: NoPE there, as Kimi Linear's MLA; a
+  // model whose every layer is softmax always takes RoPE, having no other source of position)
+  bool hybrid_rope = false;
+  bool softmax_rope() const {
+    return hybrid_rope || pattern.find_first_not_of('A') == std::string::npos;
+  }
   static constexpr double kKdaLowerBound = -5.0;
   ops::KdaOptions kda_options() const;
   void validate() const;

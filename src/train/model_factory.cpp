@@ -23,7 +23,8 @@ json lineage_config_json(const LineageConfig& c) {
           {"rms_norm_eps", c.norm_eps},
           {"kda_gate", c.kda_gate},
           {"gate_init_dt_max", c.gate_dt_max},
-          {"gate_init_dt_per_channel", c.gate_dt_per_channel}};
+          {"gate_init_dt_per_channel", c.gate_dt_per_channel},
+          {"hybrid_softmax_rope", c.hybrid_rope}};
 }
 
 LineageConfig lineage_config_from_json(const json& j) {
@@ -34,6 +35,7 @@ LineageConfig lineage_config_from_json(const json& j) {
   c.kda_gate = j.value("kda_gate", std::string("softplus"));  // both absent in older checkpoints
   c.gate_dt_max = j.value("gate_init_dt_max", 0.1f);
   c.gate_dt_per_channel = j.value("gate_init_dt_per_channel", false);
+  c.hybrid_rope = j.value("hybrid_softmax_rope", false);
   return c;
 }
 

@@ -30,13 +30,12 @@ LineageCudaModel::LineageCudaModel(std::unique_ptr<LineageModel> host) : host_(s
           "lineage model (cuda): head_dim must be 64 or 128 (the chunked kernels' sizes)");
   params_ = std::make_unique<DeviceParams>(host_->params(), stream_);
   engines_ = std::make_unique<Engines>(stream_);
-  const bool all_softmax = c.pattern.find_first_not_of('A') == std::string::npos;
   for (size_t l = 0; l < c.pattern.size(); ++l) {
     const std::string pre = "layers." + std::to_string(l) + ".";
     auto p = [&](const std::string& name) { return &params_->at(pre + name); };
     Layer L;
     L.kind = mixer_from_letter(c.pattern[l]);
-    L.rope = all_softmax;
+    L.rope = c.softmax_rope();
     L.norm1 = p("norm1");
     L.norm2 = p("norm2");
     L.W1 = p("mlp.gate");
