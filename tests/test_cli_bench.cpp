@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -104,12 +105,28 @@ TEST(CliBench, RecallProgressReportsEveryNSteps) {
         << r.output;
   EXPECT_EQ(r.output.find("step 3/6"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find(" ms/step"), std::string::npos) << r.output;
+  // the runs file keeps the same curve: (step, the interval's mean loss), as printed
+  const auto run_line =
+      nlohmann::json::parse(slurp(out_root / "recall_progress" / "recall_runs.jsonl"));
+  const auto& curve = run_line.at("train_loss_curve");
+  ASSERT_EQ(curve.size(), 3u) << run_line.dump();
+  for (size_t i = 0; i < 3; ++i) {
+    const int64_t step = curve[i][0].get<int64_t>();
+    const double loss = curve[i][1].get<double>();
+    EXPECT_EQ(step, int64_t(2 * (i + 1)));
+    ASSERT_TRUE(std::isfinite(loss) && loss > 0) << loss;
+    char printed[64];
+    std::snprintf(printed, sizeof printed, "step %lld/6 loss %.3f ", (long long)step, loss);
+    EXPECT_NE(r.output.find(printed), std::string::npos) << printed << "\n" << r.output;
+  }
   // without the flag a run prints nothing until it ends
   const CommandResult quiet =
       run("bench recall --quick --steps 2 --lengths 16 --mixers delta --tasks stack --out " +
           (out_root / "recall_quiet").string());
   ASSERT_EQ(quiet.status, 0) << quiet.output;
   EXPECT_EQ(quiet.output.find("ms/step"), std::string::npos) << quiet.output;
+  EXPECT_FALSE(nlohmann::json::parse(slurp(out_root / "recall_quiet" / "recall_runs.jsonl"))
+                   .contains("train_loss_curve"));
 }
 
 // The runs of recall_runs.jsonl (one JSON object a line); with skip_cut, lines that do not

@@ -75,7 +75,8 @@ void print_usage() {
       "(the first of --lrs) reached a mean accuracy below A (e.g. 0.99: the best of three\n"
       "cannot beat ~100 %); until the first rate's runs of a cell are finished (in this call\n"
       "or an earlier one), its other rates wait for a later --continue call.\n"
-      "--progress N: every run prints its step, mean loss and time a step every N steps.\n"
+      "--progress N: every run prints its step, mean loss and time a step every N steps, and\n"
+      "its line of recall_runs.jsonl keeps them (train_loss_curve: [step, loss] pairs).\n"
       "--hybrid-rope puts RoPE on the hybrid's softmax layer (default NoPE, as Kimi Linear's\n"
       "MLA; the softmax model always has RoPE).");
 }
@@ -410,15 +411,16 @@ int cmd_bench_recall(const Args& args) {
       }
       std::lock_guard<std::mutex> lock(print_mutex);
       c.done = true;
-      const nlohmann::json line = {{"mixer", c.mixer.name},
-                                   {"task", c.task},
-                                   {"seq_len", c.T},
-                                   {"lr", c.lr},
-                                   {"seed", c.seed},
-                                   {"accuracy", c.result.accuracy},
-                                   {"final_loss", c.result.final_loss},
-                                   {"seconds", c.result.seconds},
-                                   {"settings", settings}};
+      nlohmann::json line = {{"mixer", c.mixer.name},
+                             {"task", c.task},
+                             {"seq_len", c.T},
+                             {"lr", c.lr},
+                             {"seed", c.seed},
+                             {"accuracy", c.result.accuracy},
+                             {"final_loss", c.result.final_loss},
+                             {"seconds", c.result.seconds},
+                             {"settings", settings}};
+      if (!c.result.loss_curve.empty()) line["train_loss_curve"] = c.result.loss_curve;
       runs_out << line.dump() << "\n" << std::flush;  // kept even if the call is stopped later
       std::fprintf(
           stderr, "  %-11s %-10s T=%-5lld lr %.0e seed %llu acc %5.1f%% loss %.3f  [%.0f s]\n",

@@ -43,6 +43,7 @@ RecallResult run_recall(const RecallRun& run) {
     opt->step();
     interval_loss += r.loss;
     if (run.progress_every > 0 && (step + 1) % run.progress_every == 0) {
+      result.loss_curve.emplace_back(step + 1, interval_loss / double(run.progress_every));
       std::fprintf(stderr, "  [%s] step %lld/%lld loss %.3f %.1f ms/step\n", run.label.c_str(),
                    (long long)step + 1, (long long)run.steps,
                    interval_loss / double(run.progress_every),

@@ -3,6 +3,8 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "train/adamw.h"
 #include "train/lineage_model.h"
@@ -30,6 +32,9 @@ struct RecallResult {
   double final_loss = 0;  // mean train loss over the last 10% of steps
   double seconds = 0;
   int64_t params = 0;
+  // with progress_every: (step, mean training loss over the interval that ends there), to see
+  // when a run left a plateau without its log
+  std::vector<std::pair<int64_t, double>> loss_curve;
 };
 
 RecallResult run_recall(const RecallRun& run);
