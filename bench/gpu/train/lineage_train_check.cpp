@@ -69,9 +69,10 @@ Batch random_batch(int64_t rows, int64_t vocab, uint64_t seed, double scored = 0
 // scored: the share of targets scored (<= 7/8: the model's head runs over the gathered scored
 // rows; above: over all rows).
 void check_gradients(const std::string& pattern, const std::string& gate, bool packed,
-                     uint64_t seed, double scored) {
+                     uint64_t seed, double scored, bool hybrid_rope = false) {
   LineageConfig config{512, 256, 2, 128, 512, pattern};
   config.kda_gate = gate;
+  config.hybrid_rope = hybrid_rope;
   auto cpu = std::make_unique<LineageModel>(config, seed);
   // larger projection weights than the init: gradients well above bf16 noise
   for (train::Param* p : cpu->params())
@@ -105,6 +106,7 @@ void check_gradients(const std::string& pattern, const std::string& gate, bool p
   nudged->zero_grad();
   nudged->forward_backward(b.inputs.data(), b.targets.data(), B, T, true, cu);
   const std::string tag = pattern + (gate == "bounded" ? " bounded" : "") +
+                          (hybrid_rope ? " hybrid-rope" : "") +
                           (packed ? " packed" : " B=2 T=100") + " scored " +
                           std::to_string(int(scored * 100 + 0.5)) + "%";
   report("lineage_train " + tag + " loss", std::abs(rg.loss - rc.loss) / std::abs(rc.loss), 5e-3);
@@ -382,8 +384,9 @@ int main(int argc, char** argv) {
       for (const char* pattern : {"AA", "LL", "KK", "GG", "DD", "KKKA", "KM", "KKKM"})
         for (bool packed : {false, true})  // MQAR's share (gathered head) / all rows
           check_gradients(pattern, "softplus", packed, 11, packed ? 1.0 : 0.125);
-      check_gradients("KA", "bounded", false, 12, 0.95);  // all rows, some unscored
-      check_gradients("KA", "bounded", true, 13, 0.5);    // gathered and packed
+      check_gradients("KA", "bounded", false, 12, 0.95);      // all rows, some unscored
+      check_gradients("KA", "bounded", true, 13, 0.5);        // gathered and packed
+      check_gradients("KA", "bounded", true, 14, 0.5, true);  // RoPE positions restart per doc
       check_optimizer();
       check_learns();
       check_gpt2();
