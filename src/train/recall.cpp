@@ -43,10 +43,10 @@ RecallResult run_recall(const RecallRun& run) {
     opt->step();
     interval_loss += r.loss;
     if (run.progress_every > 0 && (step + 1) % run.progress_every == 0) {
-      result.loss_curve.emplace_back(step + 1, interval_loss / double(run.progress_every));
+      const double mean_loss = interval_loss / double(run.progress_every);
+      result.loss_curve.emplace_back(step + 1, mean_loss);
       std::fprintf(stderr, "  [%s] step %lld/%lld loss %.3f %.1f ms/step\n", run.label.c_str(),
-                   (long long)step + 1, (long long)run.steps,
-                   interval_loss / double(run.progress_every),
+                   (long long)step + 1, (long long)run.steps, mean_loss,
                    1e3 * interval.seconds() / double(run.progress_every));
       interval_loss = 0;
       interval.reset();
