@@ -27,6 +27,7 @@ using train::LineageModel;
 using train::Param;
 
 int pulls = 0, pushes = 0;
+std::vector<bool> asked_deterministic;  // DeviceTrainingOptions::deterministic, call by call
 
 // Weights live in `device_` (a model of its own); params() are the host model's, synced only by
 // pull_values / push_values.
@@ -96,7 +97,9 @@ std::vector<std::string> log_losses(const fs::path& dir) {
 TEST(TrainDevice, TrainerGoesThroughTheDeviceHooksOnly) {
   const kda::testing::ScratchDir scratch;  // this test's own folder
   train::register_training_device(
-      "mirror", [](const nlohmann::json&, std::unique_ptr<train::TrainableModel> host) {
+      "mirror", [](const nlohmann::json&, std::unique_ptr<train::TrainableModel> host,
+                   const train::DeviceTrainingOptions& options) {
+        asked_deterministic.push_back(options.deterministic);
         auto* lineage = dynamic_cast<LineageModel*>(host.release());
         EXPECT_NE(lineage, nullptr);
         return std::unique_ptr<train::TrainableModel>(
@@ -111,8 +114,11 @@ TEST(TrainDevice, TrainerGoesThroughTheDeviceHooksOnly) {
     t.run(0, nullptr, {});
   }
   pulls = pushes = 0;
+  asked_deterministic.clear();
   {
-    train::Trainer t(settings("mirror"), mirror.string());
+    train::TrainSettings s = settings("mirror");
+    s.deterministic = true;  // handed to the device's factory, and kept for the resume
+    train::Trainer t(s, mirror.string());
     t.run(5, nullptr, {});  // stops and saves after 5 steps
   }
   EXPECT_GE(pulls, 1);  // the checkpoint pulled the device's weights
@@ -120,8 +126,10 @@ TEST(TrainDevice, TrainerGoesThroughTheDeviceHooksOnly) {
     auto t = train::Trainer::resume(mirror.string());
     EXPECT_EQ(pushes, 1);  // the checkpoint's weights went to the device
     EXPECT_EQ(t->settings().device, "mirror");
+    EXPECT_TRUE(t->settings().deterministic);
     t->run(0, nullptr, {});
   }
+  EXPECT_EQ(asked_deterministic, (std::vector<bool>{true, true}));
   const auto a = log_losses(cpu), b = log_losses(mirror);
   ASSERT_EQ(a.size(), 8u);
   ASSERT_EQ(b.size(), 8u);

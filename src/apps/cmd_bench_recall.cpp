@@ -45,7 +45,7 @@ void print_usage() {
       "                        [--device cpu|cuda] [--kda-gate softplus|bounded] [--vocab V]\n"
       "                        [--gate-dt-max 0.1] [--seeds 1] [--continue] [--no-train]\n"
       "                        [--shard I/N] [--sweep-below A] [--gate-dt-per-channel]\n"
-      "                        [--progress N] [--hybrid-rope]\n"
+      "                        [--progress N] [--hybrid-rope] [--deterministic]\n"
       "\n"
       "Trains 2-layer models (2 heads, equal width across mixers) of each kind: softmax, linear,\n"
       "delta, gated_delta, kda and the kda+softmax hybrid, on MQAR (length/8 key-value pairs),\n"
@@ -78,7 +78,10 @@ void print_usage() {
       "--progress N: every run prints its step, mean loss and time a step every N steps, and\n"
       "its line of recall_runs.jsonl keeps them (train_loss_curve: [step, loss] pairs).\n"
       "--hybrid-rope puts RoPE on the hybrid's softmax layer (default NoPE, as Kimi Linear's\n"
-      "MLA; the softmax model always has RoPE).");
+      "MLA; the softmax model always has RoPE).\n"
+      "--deterministic: bit-reproducible GPU runs (a run's result is a function of its seed;\n"
+      "the softmax attention backward off its fastest kernel); the CPU always is. Not a\n"
+      "setting of the runs file: either way a run draws from the same distribution.");
 }
 
 std::vector<std::string> split(const std::string& text) {
@@ -159,7 +162,7 @@ int cmd_bench_recall(const Args& args) {
   int64_t jobs = 1, batch = 0, vocab_option = 0, seeds = 1, progress_every = 0;
   std::string device = "cpu", kda_gate = "softplus";
   float gate_dt_max = 0.1f;
-  bool gate_dt_per_channel = false, hybrid_rope = false;
+  bool gate_dt_per_channel = false, hybrid_rope = false, deterministic = false;
   double sweep_below = 2;  // --sweep-below: off (every learning rate of every cell)
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -185,6 +188,10 @@ int cmd_bench_recall(const Args& args) {
     }
     if (a == "--hybrid-rope") {
       hybrid_rope = true;
+      continue;
+    }
+    if (a == "--deterministic") {
+      deterministic = true;
       continue;
     }
     const std::string value = flag_value(args, i);
@@ -392,6 +399,7 @@ int cmd_bench_recall(const Args& args) {
       run.model.gate_dt_per_channel = gate_dt_per_channel;
       run.model.hybrid_rope = hybrid_rope;
       run.device = device;
+      run.deterministic = deterministic;
       run.task = {train::parse_task(c.task), vocab, c.T, 0};
       run.lr = c.lr;
       run.steps = steps;

@@ -49,7 +49,7 @@ void print_usage() {
       "                 [--text PATH --tokenizer TOK [--val-every 10] [--split-paragraphs]]\n"
       "                 [--eval-every N] [--eval-examples N] [--device cpu|cuda]\n"
       "                 [--kda-gate softplus|bounded] [--gate-dt-max 0.1] [--gate-dt-per-channel]\n"
-      "                 [--hybrid-rope]\n"
+      "                 [--hybrid-rope] [--deterministic]\n"
       "       kda train --model CONFIG.json|MODEL_DIR --out DIR [the options above]\n"
       "       kda train --resume DIR [--stop-after N] [--device cpu|cuda]\n"
       "\n"
@@ -69,6 +69,8 @@ void print_usage() {
       "does, instead of once per head.\n"
       "--hybrid-rope: RoPE on a hybrid's softmax layers too (default NoPE there, as Kimi\n"
       "Linear's MLA; an all-softmax model always has RoPE).\n"
+      "--deterministic: bit-reproducible GPU steps (the softmax attention backward off its\n"
+      "fastest kernel, whose dQ sums are atomics); the CPU always is. Kept for --resume.\n"
       "\n"
       "--model trains a Hugging Face architecture instead of a lineage model: a kimi_linear or\n"
       "gpt2 config.json (fresh weights), or a model folder (its weights are the start). DIR is\n"
@@ -111,6 +113,10 @@ int cmd_train(const Args& args) {
     }
     if (a == "--hybrid-rope") {  // a switch: RoPE on a hybrid's softmax layers too
       s.model.hybrid_rope = true;
+      continue;
+    }
+    if (a == "--deterministic") {  // a switch: bit-reproducible GPU steps
+      s.deterministic = true;
       continue;
     }
     const std::string v = flag_value(args, i);

@@ -53,13 +53,14 @@ void register_training_device(const std::string& device, DeviceTrainableFactory 
 }
 
 std::unique_ptr<TrainableModel> move_to_device(const std::string& device, const json& config,
-                                               std::unique_ptr<TrainableModel> host) {
+                                               std::unique_ptr<TrainableModel> host,
+                                               const DeviceTrainingOptions& options) {
   if (device == "cpu") return host;
   const auto it = training_devices().find(device);
   require(it != training_devices().end(),
           "train: device '" + device + "' is not in this build (cpu" +
               (training_devices().empty() ? std::string(")") : std::string(", cuda)")));
-  return it->second(config, std::move(host));
+  return it->second(config, std::move(host), options);
 }
 
 namespace {

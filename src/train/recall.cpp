@@ -13,7 +13,8 @@ RecallResult run_recall(const RecallRun& run) {
   Stopwatch clock;
   std::unique_ptr<TrainableModel> model_ptr =
       move_to_device(run.device, lineage_config_json(run.model),
-                     std::make_unique<LineageModel>(run.model, run.seed * 7919 + 1));
+                     std::make_unique<LineageModel>(run.model, run.seed * 7919 + 1),
+                     {.deterministic = run.deterministic});
   TrainableModel& model = *model_ptr;
   const TestSet test = make_test_set(run.task, run.seed, run.test_examples);
   TaskStream stream(run.task, run.seed, 0);

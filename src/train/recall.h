@@ -21,6 +21,7 @@ struct RecallRun {
   int64_t test_examples = 256;
   uint64_t seed = 0;
   std::string device = "cpu";  // or "cuda" (train/model_factory.h's move_to_device)
+  bool deterministic = false;  // DeviceTrainingOptions (the CPU always is)
   // every progress_every steps (0: never), one line on stderr: label, step, the interval's mean
   // loss and time a step (a long GPU run is otherwise silent until it ends)
   int64_t progress_every = 0;

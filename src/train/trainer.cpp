@@ -33,6 +33,7 @@ json settings_to_json(const TrainSettings& s) {
                    {"eval_every", s.eval_every},
                    {"seed", s.seed},
                    {"device", s.device},
+                   {"deterministic", s.deterministic},
                    {"lr", s.optimizer.lr},
                    {"warmup_steps", s.optimizer.warmup_steps},
                    {"weight_decay", s.optimizer.weight_decay},
@@ -78,6 +79,7 @@ TrainSettings settings_from_json(const json& j, const std::string& where) {
     s.eval_every = t.value("eval_every", int64_t(0));  // absent in older checkpoints
     s.seed = t.at("seed");
     s.device = t.value("device", std::string("cpu"));
+    s.deterministic = t.value("deterministic", false);  // absent in older checkpoints
     s.optimizer.lr = t.at("lr");
     s.optimizer.warmup_steps = t.at("warmup_steps");
     s.optimizer.weight_decay = t.at("weight_decay");
@@ -172,7 +174,8 @@ void Trainer::start(bool resuming) {
     require(model_->params().size() == new_trainable(arch, init_seed)->params().size(),
             "train: " + settings_.init_from + " does not hold the configured architecture");
   }
-  model_ = move_to_device(settings_.device, arch, std::move(model_));
+  model_ = move_to_device(settings_.device, arch, std::move(model_),
+                          {.deterministic = settings_.deterministic});
   optimizer_ = model_->make_optimizer(settings_.optimizer);
   if (!settings_.is_text()) {
     test_ = make_test_set(settings_.task, settings_.seed, settings_.eval_examples);

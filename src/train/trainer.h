@@ -55,6 +55,9 @@ struct TrainSettings {
   // Where the model trains: "cpu", or "cuda" (a lineage model on the GPU, bf16 compute with fp32
   // master weights; move_to_device in train/model_factory.h). Checkpoints are the same files.
   std::string device = "cpu";
+  // Bit-reproducible GPU steps (DeviceTrainingOptions; the CPU always is); kept in the run's
+  // config.json, so a --resume keeps it
+  bool deterministic = false;
   bool is_text() const { return !text.path.empty(); }
 };
 

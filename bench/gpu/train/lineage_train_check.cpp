@@ -225,6 +225,57 @@ void check_learns() {
   report("lineage_train MQAR-64 KA 150 steps: loss fell (final / first)", last_gpu / first, 0.95);
 }
 
+// The weights after `steps` AdamW steps on packed random batches, from the same start each call.
+std::vector<float> trained_weights(const LineageConfig& config, int steps) {
+  LineageCudaModel gpu(std::make_unique<LineageModel>(config, 21));
+  train::AdamWConfig opt;
+  opt.lr = 3e-3f;
+  opt.total_steps = steps;
+  opt.warmup_steps = 2;
+  const auto gpu_opt = gpu.make_optimizer(opt);
+  const std::vector<int64_t> cu{0, 37, 100, 101, 200};  // documents of 37, 63, 1 and 99 tokens
+  for (int step = 0; step < steps; ++step) {
+    const Batch b = random_batch(2 * 100, config.vocab, 300 + step, 0.5);
+    gpu.zero_grad();
+    gpu.forward_backward(b.inputs.data(), b.targets.data(), 2, 100, true, cu);
+    gpu_opt->step();
+  }
+  gpu.pull_values();
+  std::vector<float> all;
+  for (const train::Param* p : gpu.params())
+    all.insert(all.end(), p->value.f32(), p->value.f32() + p->value.numel());
+  return all;
+}
+
+size_t bits_that_differ(const std::vector<float>& a, const std::vector<float>& b) {
+  size_t n = 0;
+  for (size_t i = 0; i < a.size(); ++i) n += std::memcmp(&a[i], &b[i], sizeof(float)) != 0;
+  return n;
+}
+
+// Two trainings from the same weights on the same batches end on the same bits with
+// `--deterministic` (the attention backward off its wgmma kernel): KDA with its layer gate
+// (softplus: the EXACT chunks too) beside softmax at head dim 128 (the wgmma backward's
+// shape), Gated DeltaNet and DeltaNet. Without the setting, the count of weights that differ is
+// printed (the wgmma backward's dQ atomics), not checked.
+void check_deterministic() {
+  for (const char* pattern : {"KA", "GD"}) {
+    LineageConfig config{512, 256, 2, 128, 512, pattern};
+    config.kda_gate = "softplus";
+    ops::cuda::set_attention_backward_deterministic(true);
+    const std::vector<float> a = trained_weights(config, 10), b = trained_weights(config, 10);
+    report(std::string("lineage_train deterministic ") + pattern +
+               ": weights differing after 10 steps, run twice",
+           double(bits_that_differ(a, b)), 0.0);
+  }
+  ops::cuda::set_attention_backward_deterministic(false);
+  LineageConfig config{512, 256, 2, 128, 512, "KA"};
+  config.kda_gate = "softplus";
+  const std::vector<float> a = trained_weights(config, 10), b = trained_weights(config, 10);
+  std::printf("KA without --deterministic: %zu of %zu weights differ after 10 steps, run twice\n",
+              bits_that_differ(a, b), a.size());
+}
+
 // GPT-2 behind the trainer's face on the GPU (train/cuda/gpt2_cuda_trainable.h) against the CPU
 // Gpt2Trainable from the same weights: loss and every gradient for rows and packed documents,
 // gradients accumulating across calls, and the optimizer state's round trip.
@@ -389,6 +440,7 @@ int main(int argc, char** argv) {
       check_gradients("KA", "bounded", true, 14, 0.5, true);  // RoPE positions restart per doc
       check_optimizer();
       check_learns();
+      check_deterministic();
       check_gpt2();
     }
     if (check || kimi_only) failed += run_kimi_train_checks();

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "ops/attention/cuda/attention_cuda.h"
 #include "train/cuda/gpt2_cuda_trainable.h"
 #include "train/cuda/kimi_cuda_model.h"
 #include "train/cuda/lineage_cuda_model.h"
@@ -13,8 +14,10 @@ namespace kda::train::cuda {
 
 void register_cuda_training() {
   register_training_device(
-      "cuda", [](const nlohmann::json& config, std::unique_ptr<TrainableModel> host) {
+      "cuda", [](const nlohmann::json& config, std::unique_ptr<TrainableModel> host,
+                 const DeviceTrainingOptions& options) {
         const std::string type = config.value("model_type", std::string());
+        if (options.deterministic) ops::cuda::set_attention_backward_deterministic(true);
         if (auto* lineage = dynamic_cast<LineageModel*>(host.get())) {
           host.release();
           return std::unique_ptr<TrainableModel>(

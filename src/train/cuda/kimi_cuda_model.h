@@ -14,9 +14,11 @@
 //    x rsqrt(sum x^2 + 1e-6) (relative difference ~1e-6 / (2 |x|^2));
 //  - Kimi's unbounded softplus gate is applied inside the chunked kernel; the chunks where it
 //    decays past the kernel's bf16 split (e^-78 over 16 tokens) are redone in fp32 there.
-// Determinism: everything but KDA's dA_log / ddt_bias (fp32 atomics in the kernel) gives the
-// same bits run to run. The MoE copies each layer's top-k ids to the host (one synchronisation
-// per MoE layer and pass) to group the tokens by expert.
+// Determinism: the same bits run to run (fixed-order sums everywhere; the one kernel with
+// atomics, the wgmma attention backward, takes head dims 128 / 128 only, not MLA's 192 / 128;
+// --deterministic, DeviceTrainingOptions, keeps any MLA off it). The MoE copies each layer's
+// top-k ids to the host (one synchronisation per MoE layer and pass) to group the tokens by
+// expert.
 //
 // Expert balancing: each forward counts the tokens per expert (on the host, from the ids);
 // after_optimizer_step applies KimiLinearTrainable's rule (bias[e] += rate * sign(mean - load[e]),

@@ -1,5 +1,6 @@
 // Validation and path choice of the CUDA attention backward (see attention_cuda.h); the kernels
 // live in attention_backward_{generic,mma}.cu.
+#include <atomic>
 #include <cmath>
 #include <string>
 
@@ -62,9 +63,12 @@ int64_t padded_rows(const AttentionArgs& a) {
   return (a.Tq + kAttentionBwdRowPad - 1) / kAttentionBwdRowPad * kAttentionBwdRowPad;
 }
 
+std::atomic<bool> deterministic_backward{false};
+
 // Shapes the wgmma backward takes (its dQ is summed in fp32 in the workspace).
 bool dq_accumulated(const AttentionArgs& a) {
-  return a.dtype == ElementType::bf16 && a.Dk == 128 && a.Dv == 128;
+  return a.dtype == ElementType::bf16 && a.Dk == 128 && a.Dv == 128 &&
+         !deterministic_backward.load(std::memory_order_relaxed);
 }
 
 size_t workspace_floats(const AttentionArgs& a) {
@@ -78,6 +82,10 @@ size_t workspace_floats(const AttentionArgs& a) {
 size_t attention_backward_workspace_bytes(const AttentionArgs& args) {
   validate_sizes(args);
   return workspace_floats(args) * sizeof(float);
+}
+
+void set_attention_backward_deterministic(bool on) {
+  deterministic_backward.store(on, std::memory_order_relaxed);
 }
 
 bool attention_backward_dq_deterministic(const AttentionArgs& args) {

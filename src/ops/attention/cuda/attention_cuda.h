@@ -103,6 +103,10 @@ size_t attention_backward_workspace_bytes(const AttentionArgs& args);
 // Whether attention_backward's dq is bit-reproducible for these arguments on the current device
 // (false on the wgmma path, whose dq sums are fp32 atomics).
 bool attention_backward_dq_deterministic(const AttentionArgs& args);
+// Process-wide (default off): every later attention_backward keeps off the wgmma path, so its dq
+// is bit-reproducible too (the two mma.sync kernels, slower at Dk = Dv = 128). What a trainer's
+// `--deterministic` sets; like torch.use_deterministic_algorithms, a setting of the process.
+void set_attention_backward_deterministic(bool on);
 // Elements between tokens of dq, dk, dv (0: dense, Hq Dk / Hkv Dk / Hkv Dv); sequence b of a
 // batch starts b Tq (dq) or b Tk (dk, dv) tokens in.
 struct AttentionGradLayout {

@@ -3,7 +3,7 @@
 //   chunk_prepare + chunk_state (forward again, writing X, A, S0, D; no o, no ht) unless
 //   chunk_forward_for_backward (the same two kernels, with o and ht) left them in the workspace,
 //   chunk_state_bwd (dS, dD, dh0), chunk_bwd_local (dq, dk, dv, dg, dbeta; with a KDA layer's
-//   gate also dA_log, ddt_bias),
+//   gate also its blocks' terms of dA_log, ddt_bias, which kda_gate_grads sums),
 //   and, for grouped value heads or the layer's l2norm, finish_qk_grads (dq / dk per q / k head).
 #include <cuda_runtime.h>
 
@@ -108,6 +108,7 @@ void chunk_backward(const DeltaRuleDeviceInputs& in, const void* d_o, const floa
   gd.dbeta = static_cast<__nv_bfloat16*>(grads.dbeta);
   gd.dA_log = layer.gate ? grads.dA_log : nullptr;
   gd.ddt_bias = layer.gate ? grads.ddt_bias : nullptr;
+  if (gd.dA_log || gd.ddt_bias) gd.gate_part = reinterpret_cast<float*>(base + plan.off_gate_part);
 
   const int K = int(s.K), V = int(s.V);
   // Kernel-lab knob: KDA_BWD_STAGES=recompute|state|local runs one stage alone (for timing only;
@@ -120,13 +121,8 @@ void chunk_backward(const DeltaRuleDeviceInputs& in, const void* d_o, const floa
   }
   if (run("state")) launch_chunk_state_bwd(x, ws, gd, plan.num_seqs, K, V, stream);
   if (run("local")) {
-    // chunk_bwd_local adds its blocks' terms into these
-    if (gd.dA_log)
-      check_cuda(cudaMemsetAsync(gd.dA_log, 0, size_t(s.HV) * sizeof(float), stream), "dA_log");
-    if (gd.ddt_bias)
-      check_cuda(cudaMemsetAsync(gd.ddt_bias, 0, size_t(s.HV) * K * sizeof(float), stream),
-                 "ddt_bias");
     launch_chunk_bwd_local(x, ws, gd, s.gate, K, V, stream);
+    launch_kda_gate_grads(gd, plan.num_chunks, int(s.HV), K, stream);
     launch_finish_qk_grads(x, gd, plan.tokens, K, stream);
   }
 }

@@ -24,8 +24,12 @@
 // memory once loaded, g and beta activated as loaded (kda_layer_math.cuh, as chunk_prepare), so
 // dq, dk are the normalised rows' gradients (finish_qk_grads maps them to the raw rows'); dg is
 // mapped to dgraw by every thread once the chunk's dg is in shared memory (graw kept in an extra
-// bf16 tile), with ddt_bias and dA_log summed by fp32 atomics (one per thread and one per warp
-// a block); dbeta to dbraw.
+// bf16 tile), with the block's ddt_bias and dA_log terms (one per thread and one per warp) left
+// in gd.gate_part for kda_gate_grads; dbeta to dbraw.
+//
+// Deterministic (no atomics): every sum over warps goes to slots with one owner each and is
+// added up in a fixed order (dbeta: one partial per column half, kept by its owner thread across
+// steps 2-3; dG_C: one per 16-row block, in sF while step 4's factors are not there yet).
 
 #include <algorithm>
 #include <cstdlib>
@@ -40,7 +44,7 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 constexpr int C = kChunk;
-constexpr int kThreads = 256;
+constexpr int kThreads = kBwdLocalThreads;
 constexpr float kLog2e = 1.4426950408889634f;
 
 constexpr size_t cmax(size_t a, size_t b) {
@@ -65,8 +69,8 @@ struct LocalLayout {
   static constexpr size_t off_big = off_daqk + tile_c;
   static constexpr size_t bytes_big = cmax(bytes_s + 2 * tile_v, 4 * tile_t);
   static constexpr size_t off_small = off_big + bytes_big;
-  // small: beta[C], dbeta[C], dGC[K], F[6][K]
-  static constexpr size_t total = off_small + (2 * C + 7 * K) * 4;
+  // small: beta[C], dbeta[2][C] (a partial per column half), dGC[K], F[6][K]
+  static constexpr size_t total = off_small + (3 * C + 7 * K) * 4;
   // KDA layer gate only: graw (bf16, C x K) for dg -> dgraw at the end
   static constexpr size_t off_graw = total, total_layer = total + size_t(C) * K * 2;
 };
@@ -83,16 +87,17 @@ __device__ __forceinline__ float bf(const bf16* p) {
   return __bfloat162float(*p);
 }
 
-// Row sums of per-thread partials (rows gr and gr + 8) over the 4 lanes of a quad, then one
-// shared-memory atomic per row and quad.
+// Row sums of per-thread partials (rows gr and gr + 8) over the 4 lanes of a quad, added to the
+// warp's own partial of each row (dst: its column half's): the quad's first lane owns the two
+// slots in every step, so the adds need no atomics and keep their order run to run.
 __device__ __forceinline__ void add_rows(float* dst, int r0, float lo, float hi, int tq) {
   lo += __shfl_xor_sync(0xffffffffu, lo, 1);
   lo += __shfl_xor_sync(0xffffffffu, lo, 2);
   hi += __shfl_xor_sync(0xffffffffu, hi, 1);
   hi += __shfl_xor_sync(0xffffffffu, hi, 2);
   if (tq == 0) {
-    atomicAdd(dst + r0, lo);
-    atomicAdd(dst + r0 + 8, hi);
+    dst[r0] += lo;
+    dst[r0 + 8] += hi;
   }
 }
 
@@ -247,8 +252,8 @@ __device__ __forceinline__ void bwd_local_chunk(const ChunkTokens& x, const Chun
   bf16* t2 = reinterpret_cast<bf16*>(big + 2 * L::tile_t);
   bf16* t3 = reinterpret_cast<bf16*>(big + 3 * L::tile_t);
   float* sBeta = reinterpret_cast<float*>(smem + L::off_small);
-  float* sdBeta = sBeta + C;
-  float* sdGC = sdBeta + C;
+  float* sdBeta = sBeta + C;  // [2][C]: the column halves' partials (add_rows)
+  float* sdGC = sdBeta + 2 * C;
   float* sF = sdGC + K;
   bf16* sGraw = reinterpret_cast<bf16*>(smem + L::off_graw);  // KDA layer gate only
   const bool layer_gate = kChannel && x.layer.gate;
@@ -303,8 +308,8 @@ __device__ __forceinline__ void bwd_local_chunk(const ChunkTokens& x, const Chun
     if (x.layer.beta_sigmoid && tid < len) b = kda_beta_sigmoid(b);
     sBeta[tid] = b;
     sdBeta[tid] = 0.f;
+    sdBeta[C + tid] = 0.f;
   }
-  for (int c = tid; c < K; c += kThreads) sdGC[c] = 0.f;
   if constexpr (kChannel) {
     constexpr int kSegs = kThreads / K, kRows = C / kSegs;
     const int c = tid % K, seg = tid / K;
@@ -413,7 +418,8 @@ __device__ __forceinline__ void bwd_local_chunk(const ChunkTokens& x, const Chun
       }
   }
   {
-    // 1b: b = exp(G_C - G) (D dS^T); dk = b, dG = -k b, dG_C += colsum(k b)
+    // 1b: b = exp(G_C - G) (D dS^T); dk = b, dG = -k b, dG_C += colsum(k b) (a part per row
+    // block in sF, unused until step 4)
     float acc[NTK][4] = {};
 #pragma unroll
     for (int kk = 0; kk < V / 16; ++kk) {
@@ -445,7 +451,7 @@ __device__ __forceinline__ void bwd_local_chunk(const ChunkTokens& x, const Chun
         v += __shfl_xor_sync(0xffffffffu, v, 4);
         v += __shfl_xor_sync(0xffffffffu, v, 8);
         v += __shfl_xor_sync(0xffffffffu, v, 16);
-        if (gr == 0) atomicAdd(sdGC + kb + 8 * nt + 2 * tq + p, v);
+        if (gr == 0) sF[wm * K + kb + 8 * nt + 2 * tq + p] = v;  // this row block's part
       }
     }
   }
@@ -479,7 +485,7 @@ __device__ __forceinline__ void bwd_local_chunk(const ChunkTokens& x, const Chun
       }
   }
   {
-    // 1d: dG_C += exp(G_C) rowsum(dS * S0)
+    // 1d: dG_C = exp(G_C) rowsum(dS * S0) (every row written), then plus 1b's parts
     constexpr int kPer = kThreads / K;  // threads per state row (2 or 4, adjacent lanes)
     const int r = tid / kPer, part = tid % kPer;
     float s = 0.f;
@@ -490,9 +496,12 @@ __device__ __forceinline__ void bwd_local_chunk(const ChunkTokens& x, const Chun
     }
 #pragma unroll
     for (int off = 1; off < kPer; off <<= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    if (part == 0) atomicAdd(sdGC + r, fast_exp2(gat(last, r)) * s);
+    if (part == 0) sdGC[r] = fast_exp2(gat(last, r)) * s;
   }
   __syncthreads();
+  static_assert(4 * K <= 6 * K, "1b's parts fit in sF");
+  for (int c = tid; c < K; c += kThreads)
+    sdGC[c] += (sF[c] + sF[K + c]) + (sF[2 * K + c] + sF[3 * K + c]);
 
   // ---- step 2: dD -> t0, v -> t1 ----
   bf16* sdD = t0;
@@ -538,7 +547,7 @@ __device__ __forceinline__ void bwd_local_chunk(const ChunkTokens& x, const Chun
           *reinterpret_cast<uint32_t*>(gd.dv + (size_t(tok0 + r) * x.HV + hv) * V + c) =
               pack_bf16(sBeta[r] * d0, sBeta[r] * d1);
       }
-    add_rows(sdBeta, m0 + gr, rs[0], rs[1], tq);
+    add_rows(sdBeta + wn * C, m0 + gr, rs[0], rs[1], tq);
   }
   {
     // 2b: R = beta (v - Kt S0), Kt = k E (A fragments scaled on the fly)
@@ -601,7 +610,7 @@ __device__ __forceinline__ void bwd_local_chunk(const ChunkTokens& x, const Chun
         dk[nt][e] += av;
         dG[nt][e] += kv * av;
       }
-    add_rows(sdBeta, m0 + gr, rs[0], rs[1], tq);
+    add_rows(sdBeta + wn * C, m0 + gr, rs[0], rs[1], tq);
   }
   {
     // 2e: dTm = dD R^T (full C x C)
@@ -727,7 +736,7 @@ __device__ __forceinline__ void bwd_local_chunk(const ChunkTokens& x, const Chun
         }
         *reinterpret_cast<uint32_t*>(sA + r * LDC + j) = pack_bf16(d0, d1);
       }
-    add_rows(sdBeta, m0 + gr, rs[0], rs[1], tq);
+    add_rows(sdBeta + wn * C, m0 + gr, rs[0], rs[1], tq);
   }
   __syncthreads();
   const bf16* sdAkk = sA;
@@ -865,7 +874,7 @@ __device__ __forceinline__ void bwd_local_chunk(const ChunkTokens& x, const Chun
     }
   __syncthreads();
   if (tid < len) {
-    float db = sdBeta[tid];
+    float db = sdBeta[tid] + sdBeta[C + tid];
     if (x.layer.beta_sigmoid) db *= sBeta[tid] * (1.f - sBeta[tid]);  // dbraw
     gd.dbeta[size_t(tok0 + tid) * x.HV + hv] = __float2bfloat16_rn(db);
   }
@@ -907,11 +916,12 @@ __device__ __forceinline__ void bwd_local_chunk(const ChunkTokens& x, const Chun
       }
       dg[size_t(i) * x.HV * K] = __float2bfloat16_rn(v);
     }
-    if (layer_gate) {  // every thread is here: one atomic per thread and channel, one per warp
-      if (gd.ddt_bias) atomicAdd(gd.ddt_bias + size_t(hv) * K + c, dbias);
+    if (layer_gate && gd.gate_part) {  // every thread is here: a term per thread, one per warp
+      float* part = gd.gate_part + ch * kGatePartFloats;
+      part[tid] = dbias;
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) dA += __shfl_xor_sync(0xffffffffu, dA, off);
-      if (gd.dA_log && lane == 0) atomicAdd(gd.dA_log + hv, dA);
+      if (lane == 0) part[kThreads + warp] = dA;
     }
   } else if constexpr (GATE == Gate::scalar) {
     // row totals, then a suffix sum over the 64 rows (one warp, two rows per lane)
@@ -1065,7 +1075,47 @@ __global__ void finish_qk_grads_kernel(const float* __restrict__ dq_part,
   }
 }
 
+// One block per value head: thread t adds slot t of every chunk's gate_part in chunk order,
+// then ddt_bias[c] sums the slots of the chunk_bwd_local threads of channel c (t % K == c) and
+// dA_log the warps' slots, in index order. Fixed orders throughout, so the same bits every run.
+__global__ void __launch_bounds__(kThreads)
+    kda_gate_grads_kernel(const float* __restrict__ part, int64_t num_chunks, int HV, int K,
+                          float* dA_log, float* ddt_bias) {
+  constexpr int kWarps = kThreads / 32;
+  __shared__ float slot[kGatePartFloats];
+  const int hv = blockIdx.x, t = threadIdx.x;
+  const float* p = part + size_t(hv) * kGatePartFloats;
+  const size_t stride = size_t(HV) * kGatePartFloats;  // from one chunk to the next
+  float s = 0.f, w = 0.f;
+  for (int64_t ch = 0; ch < num_chunks; ++ch) {
+    s += p[ch * stride + t];
+    if (t < kWarps) w += p[ch * stride + kThreads + t];
+  }
+  slot[t] = s;
+  if (t < kWarps) slot[kThreads + t] = w;
+  __syncthreads();
+  if (ddt_bias && t < K) {
+    float d = 0.f;
+    for (int j = t; j < kThreads; j += K) d += slot[j];
+    ddt_bias[size_t(hv) * K + t] = d;
+  }
+  if (dA_log && t == 0) {
+    float a = 0.f;
+    for (int j = 0; j < kWarps; ++j) a += slot[kThreads + j];
+    dA_log[hv] = a;
+  }
+}
+
 }  // namespace
+
+void launch_kda_gate_grads(const ChunkGrads& gd, int64_t num_chunks, int HV, int K,
+                           cudaStream_t stream) {
+  if (!gd.dA_log && !gd.ddt_bias) return;
+  require(gd.gate_part != nullptr && K <= kThreads, "kda_gate_grads: gate_part and K <= 256");
+  kda_gate_grads_kernel<<<HV, kThreads, 0, stream>>>(gd.gate_part, num_chunks, HV, K, gd.dA_log,
+                                                     gd.ddt_bias);
+  check_launch("kda_gate_grads kernel");
+}
 
 void launch_chunk_bwd_local(const ChunkTokens& x, const ChunkWorkspace& ws, const ChunkGrads& gd,
                             Gate gate, int K, int V, cudaStream_t stream) {

@@ -20,8 +20,11 @@
 // 5. finish_qk_grads (grouped value heads or the KDA layer's l2norm): dq, dk per q / k head.
 // With a KDA layer's options (KdaLayerParams) the recompute activates as the forward does, and
 // chunk_bwd_local activates its own loads the same way (normalised q / k rows, gate, beta) and
-// maps dg, dbeta to the raw inputs' gradients itself (plus dA_log, ddt_bias by fp32 atomics);
-// finish_qk_grads maps the normalised rows' dq, dk to the raw rows'.
+// maps dg, dbeta to the raw inputs' gradients itself (plus each block's dA_log, ddt_bias terms,
+// summed over the chunks by kda_gate_grads in a fixed order); finish_qk_grads maps the
+// normalised rows' dq, dk to the raw rows'.
+// Deterministic: no kernel of the backward sums with atomics, so a backward gives the same bits
+// on every run of the same inputs.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -35,7 +38,10 @@
 namespace kda::ops::cuda_detail {
 
 constexpr int kChunk = 64;
-constexpr int kStateTile = 32;  // state columns per chunk_state block
+constexpr int kStateTile = 32;         // state columns per chunk_state block
+constexpr int kBwdLocalThreads = 256;  // chunk_bwd_local's block
+// A KDA layer gate's per-block terms (ChunkGrads::gate_part): ddt_bias by thread, dA_log by warp
+constexpr int kGatePartFloats = kBwdLocalThreads + kBwdLocalThreads / 32;
 
 struct ChunkWorkspace {
   const int64_t* chunk_tok0;           // [num_chunks] first token of each chunk
@@ -138,9 +144,12 @@ struct ChunkGrads {
   __nv_bfloat16 *dq, *dk;  // [tokens, H, K] (written directly when HV == H)
   float *dq_part, *dk_part;        // [tokens, HV, K] per value head (HV != H), then summed
   __nv_bfloat16 *dv, *dg, *dbeta;  // [tokens, HV, V], like g (null for Gate::none), [tokens, HV]
-  // KDA layer gate (KdaLayerParams::gate): fp32 [HV], [HV * K], zeroed by the caller, summed
-  // into by chunk_bwd_local's atomics; either may be null (not computed)
+  // KDA layer gate (KdaLayerParams::gate): fp32 [HV], [HV * K], written by kda_gate_grads;
+  // either may be null (not computed; both null: gate_part unused)
   float *dA_log, *ddt_bias;
+  // workspace [num_chunks * HV][kGatePartFloats]: each chunk_bwd_local block's terms of
+  // ddt_bias (one per thread) and dA_log (one per warp), for kda_gate_grads' fixed-order sums
+  float* gate_part;
 };
 
 void launch_chunk_prepare(const ChunkTokens& x, const ChunkWorkspace& ws, Gate gate, int K, int V,
@@ -184,5 +193,10 @@ void launch_chunk_bwd_local(const ChunkTokens& x, const ChunkWorkspace& ws, cons
 // raw rows' (x.q, x.k). Nothing to do (not launched) for HV == H without l2norm.
 void launch_finish_qk_grads(const ChunkTokens& x, const ChunkGrads& gd, int64_t tokens, int K,
                             cudaStream_t stream);
+// kda_gate_grads: gd.ddt_bias [HV * K] and gd.dA_log [HV] (either may be null) as the sums of
+// chunk_bwd_local's per-block terms in gd.gate_part, over the chunks in order (not launched
+// when both are null).
+void launch_kda_gate_grads(const ChunkGrads& gd, int64_t num_chunks, int HV, int K,
+                           cudaStream_t stream);
 
 }  // namespace kda::ops::cuda_detail

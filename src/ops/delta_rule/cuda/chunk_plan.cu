@@ -99,6 +99,10 @@ ChunkPlan make_chunk_plan(const DeltaRuleShape& s, std::span<const int64_t> cu_s
       p.off_dq = off, off = align_up(off + part);
       p.off_dk = off, off = align_up(off + part);
     }
+    if (s.gate == Gate::channel) {
+      p.off_gate_part = off;
+      off = align_up(off + size_t(p.num_chunks) * s.HV * kGatePartFloats * sizeof(float));
+    }
   }
   p.total_bytes = off;
   return p;

@@ -24,6 +24,7 @@ struct ChunkPlan {
   // backward only (zero when planned for the forward)
   size_t off_x = 0, off_a = 0, off_s0 = 0, off_d = 0, off_ds = 0, off_dd = 0, off_dq = 0,
          off_dk = 0;
+  size_t off_gate_part = 0;  // Gate::channel: ChunkGrads::gate_part
 };
 
 // `backward` adds the arrays the backward needs after the forward's.
