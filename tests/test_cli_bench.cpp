@@ -247,6 +247,25 @@ TEST(CliBench, RecallHybridRopeIsASettingOfItsOwn) {
   EXPECT_FALSE(both[1]["settings"].contains("hybrid_rope"));
 }
 
+// --deterministic (bit-reproducible GPU runs) is no setting of the runs file: a run made with it
+// is reused by a call without it.
+TEST(CliBench, RecallDeterministicIsNoSetting) {
+  const kda::testing::ScratchDir scratch;
+  const auto out = std::filesystem::path(scratch.str()) / "recall_deterministic";
+  const std::string base =
+      "bench recall --quick --lengths 16 --mixers delta --tasks stack --lrs 3e-3 --steps 3 "
+      "--out " +
+      out.string();
+  const CommandResult det = run(base + " --deterministic");
+  ASSERT_EQ(det.status, 0) << det.output;
+  const CommandResult again = run(base + " --continue");
+  ASSERT_EQ(again.status, 0) << again.output;
+  EXPECT_NE(again.output.find("reusing 1 finished runs"), std::string::npos) << again.output;
+  const auto runs = read_runs(out / "recall_runs.jsonl");
+  ASSERT_EQ(runs.size(), 1u);
+  EXPECT_FALSE(runs[0]["settings"].contains("deterministic"));
+}
+
 // --shard I/N: N calls over the same runs file split the missing runs between them, each run
 // in exactly one shard; --no-train reports the merged file without training, and a cell with
 // no run yet shows "-" (and is left out of recall.json).
