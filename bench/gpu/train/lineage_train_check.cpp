@@ -408,7 +408,7 @@ void bench(const std::string& name, const std::string& pattern, int64_t B, int64
 
 int main(int argc, char** argv) {
   bool check = false, bench_on = false, profile = false, kimi_only = false, bench_2k = false;
-  bool profile_recall = false;
+  bool profile_recall = false, determinism = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--check"))
       check = true;
@@ -422,15 +422,19 @@ int main(int argc, char** argv) {
       bench_2k = true;
     else if (!std::strcmp(argv[i], "--profile-recall"))  // the recall cells, stage by stage
       profile_recall = true;
+    else if (!std::strcmp(argv[i], "--determinism"))  // the bit-for-bit repeat check alone
+      determinism = true;
     else {
       std::fprintf(stderr,
                    "usage: kda_gpu_train [--check] [--bench] [--profile] [--kimi] [--bench-2k] "
-                   "[--profile-recall]\n");
+                   "[--profile-recall] [--determinism]\n");
       return 2;
     }
   }
-  if (!check && !bench_on && !profile && !kimi_only && !bench_2k && !profile_recall) check = true;
+  if (!check && !bench_on && !profile && !kimi_only && !bench_2k && !profile_recall && !determinism)
+    check = true;
   try {
+    if (determinism) check_deterministic();
     if (check) {
       for (const char* pattern : {"AA", "LL", "KK", "GG", "DD", "KKKA", "KM", "KKKM"})
         for (bool packed : {false, true})  // MQAR's share (gathered head) / all rows
