@@ -94,7 +94,8 @@ void chunk_forward(const DeltaRuleDeviceInputs& in, void* o, float* ht, void* wo
 // gate_in_kernel, dA_log [HV] and ddt_bias [HV * K] (fp32 device arrays, either may be null)
 // are overwritten with the gradients with respect to A_log and dt_bias (a null A_log / dt_bias
 // in the options is differentiated at A_log = 0 / dt_bias = 0). They are sums over all tokens
-// by fp32 atomics: equal run to run only to rounding. The recompute and the gradients use the
+// in a fixed order (per-chunk terms, then kda_gate_grads), like every sum of the backward: the
+// same bits run to run. The recompute and the gradients use the
 // forward's activations (same functions, so the same gate and beta bit for bit; normalised
 // q / k rounded to bf16 once).
 struct DeltaRuleDeviceGrads {
