@@ -153,12 +153,13 @@ std::pair<int, std::string> run_capture(const std::string& args) {
 
 // Without a GPU (or without CUDA in the build), --device cuda fails with a message, never a
 // crash; a device name that does not exist is refused by name.
-// --deterministic is a setting of the run (its config.json), so a --resume keeps it.
+// --deterministic is a setting of the run (its config.json), so a --resume keeps it; given to
+// --resume, it turns it on from there.
 TEST(CliTrain, DeterministicIsKeptInTheRunsConfig) {
   const kda::testing::ScratchDir scratch;  // this test's own folder
   const fs::path a = scratch.file("kda_train_det"), b = scratch.file("kda_train_plain");
   ASSERT_EQ(run("train --out " + a.string() + " --steps 2 --deterministic" + kArgs), 0);
-  ASSERT_EQ(run("train --out " + b.string() + " --steps 2" + kArgs), 0);
+  ASSERT_EQ(run("train --out " + b.string() + " --steps 3 --stop-after 2" + kArgs), 0);
   const auto has = [](const fs::path& dir) {
     std::ifstream in(dir / "config.json");
     const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -168,6 +169,8 @@ TEST(CliTrain, DeterministicIsKeptInTheRunsConfig) {
   };
   EXPECT_EQ(has(a), 1);
   EXPECT_EQ(has(b), 0);
+  ASSERT_EQ(run("train --resume " + b.string() + " --deterministic"), 0);
+  EXPECT_EQ(has(b), 1);
 }
 
 TEST(CliTrain, DeviceCudaWithoutAGpuFailsCleanly) {

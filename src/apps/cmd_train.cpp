@@ -51,7 +51,7 @@ void print_usage() {
       "                 [--kda-gate softplus|bounded] [--gate-dt-max 0.1] [--gate-dt-per-channel]\n"
       "                 [--hybrid-rope] [--deterministic]\n"
       "       kda train --model CONFIG.json|MODEL_DIR --out DIR [the options above]\n"
-      "       kda train --resume DIR [--stop-after N] [--device cpu|cuda]\n"
+      "       kda train --resume DIR [--stop-after N] [--device cpu|cuda] [--deterministic]\n"
       "\n"
       "Pattern letters, one per layer: A softmax attention, L linear attention, D DeltaNet,\n"
       "G Gated DeltaNet, K KDA, M NoPE MLA (KKKA, KKKM: 3:1 hybrids). AdamW with fp32 master\n"
@@ -70,7 +70,8 @@ void print_usage() {
       "--hybrid-rope: RoPE on a hybrid's softmax layers too (default NoPE there, as Kimi\n"
       "Linear's MLA; an all-softmax model always has RoPE).\n"
       "--deterministic: bit-reproducible GPU steps (the softmax attention backward off its\n"
-      "fastest kernel, whose dQ sums are atomics); the CPU always is. Kept for --resume.\n"
+      "fastest kernel, whose dQ sums are atomics); the CPU always is. Kept for --resume (and\n"
+      "turned on there by giving it).\n"
       "\n"
       "--model trains a Hugging Face architecture instead of a lineage model: a kimi_linear or\n"
       "gpt2 config.json (fresh weights), or a model folder (its weights are the start). DIR is\n"
@@ -212,9 +213,9 @@ int cmd_train(const Args& args) {
     s.optimizer.warmup_steps = std::max<int64_t>(1, std::min<int64_t>(100, s.steps / 10));
   require(out_dir.empty() != resume_dir.empty(), "train: give exactly one of --out and --resume");
   if (!device.empty()) s.device = device;
-  std::unique_ptr<train::Trainer> trainer = resume_dir.empty()
-                                                ? std::make_unique<train::Trainer>(s, out_dir)
-                                                : train::Trainer::resume(resume_dir, device);
+  std::unique_ptr<train::Trainer> trainer =
+      resume_dir.empty() ? std::make_unique<train::Trainer>(s, out_dir)
+                         : train::Trainer::resume(resume_dir, device, s.deterministic);
   const train::TrainSettings& run = trainer->settings();
   const std::string dir = resume_dir.empty() ? out_dir : resume_dir;
   std::string data = "task " + train::task_name(run.task.task);

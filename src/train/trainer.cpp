@@ -194,13 +194,15 @@ uint64_t Trainer::data_position() const {
   return text_stream_ ? text_stream_->position() : batches_->position();
 }
 
-std::unique_ptr<Trainer> Trainer::resume(const std::string& out_dir, const std::string& device) {
+std::unique_ptr<Trainer> Trainer::resume(const std::string& out_dir, const std::string& device,
+                                         bool deterministic) {
   const fs::path dir(out_dir);
   std::unique_ptr<Trainer> t(new Trainer());
   t->dir_ = out_dir;
   t->settings_ =
       settings_from_json(read_json((dir / "config.json").string()), (dir / "config.json").string());
   if (!device.empty()) t->settings_.device = device;
+  if (deterministic) t->settings_.deterministic = true;
   t->start(true);
   const json state = read_json((dir / "trainer_state.json").string());
   t->step_ = state.at("step").get<int64_t>();

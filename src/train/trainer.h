@@ -78,9 +78,10 @@ class Trainer {
  public:
   // A new run writing into out_dir (created; must not hold a checkpoint already).
   Trainer(const TrainSettings& settings, const std::string& out_dir);
-  // Continues the run saved in out_dir (on `device` when given, else where it ran).
-  static std::unique_ptr<Trainer> resume(const std::string& out_dir,
-                                         const std::string& device = "");
+  // Continues the run saved in out_dir (on `device` when given, else where it ran;
+  // `deterministic` turns TrainSettings::deterministic on from here, else the run's is kept).
+  static std::unique_ptr<Trainer> resume(const std::string& out_dir, const std::string& device = "",
+                                         bool deterministic = false);
   ~Trainer();
 
   // Trains until settings.steps, `stop_after` more steps (0: no limit) or `interrupt` is set;
