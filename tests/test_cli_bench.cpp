@@ -247,6 +247,35 @@ TEST(CliBench, RecallHybridRopeIsASettingOfItsOwn) {
   EXPECT_FALSE(both[1]["settings"].contains("hybrid_rope"));
 }
 
+// kda+softmax_rope is the hybrid with RoPE as a mixer of its own: one grid holds both hybrids,
+// and its run is the --hybrid-rope run of kda+softmax (the same loss, bit for bit on the CPU),
+// not the NoPE one.
+TEST(CliBench, RecallRopeHybridIsAMixerOfItsOwn) {
+  const kda::testing::ScratchDir scratch;
+  const auto dir = std::filesystem::path(scratch.str());
+  const std::string base =
+      "bench recall --quick --lengths 16 --tasks stack --lrs 3e-3 --steps 3 --out ";
+  const CommandResult both =
+      run(base + (dir / "both").string() + " --mixers kda+softmax,kda+softmax_rope");
+  ASSERT_EQ(both.status, 0) << both.output;
+  const CommandResult flag =
+      run(base + (dir / "flag").string() + " --mixers kda+softmax --hybrid-rope");
+  ASSERT_EQ(flag.status, 0) << flag.output;
+  const auto runs = read_runs(dir / "both" / "recall_runs.jsonl");
+  const auto flagged = read_runs(dir / "flag" / "recall_runs.jsonl");
+  ASSERT_EQ(runs.size(), 2u);
+  ASSERT_EQ(flagged.size(), 1u);
+  double nope = NAN, rope = NAN;
+  for (const auto& r : runs) {
+    EXPECT_FALSE(r["settings"].contains("hybrid_rope"));
+    (r["mixer"] == "kda+softmax" ? nope : rope) = r["final_loss"].get<double>();
+  }
+  ASSERT_TRUE(std::isfinite(nope) && std::isfinite(rope)) << both.output;
+  EXPECT_EQ(rope, flagged[0]["final_loss"].get<double>());
+  EXPECT_NE(rope, nope);
+  EXPECT_NE(both.output.find("kda+softmax_rope"), std::string::npos) << both.output;
+}
+
 // --deterministic (bit-reproducible GPU runs) is no setting of the runs file: a run made with it
 // is reused by a call without it.
 TEST(CliBench, RecallDeterministicIsNoSetting) {

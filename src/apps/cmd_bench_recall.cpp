@@ -30,12 +30,16 @@ namespace {
 
 struct MixerEntry {
   std::string name, pattern;
+  bool hybrid_rope = false;  // RoPE on the hybrid's softmax layer (Kimi Linear's MLA has none)
 };
 
+// The grid's mixers; kda+softmax_rope is not in the default grid but can be named: at 2 layers
+// the NoPE hybrid cannot find Palindrome's mirrored position, the RoPE one can (RECALL.md).
 const std::vector<MixerEntry> kMixers = {
     {"softmax", "AA"},     {"linear", "LL"}, {"delta", "DD"},
     {"gated_delta", "GG"}, {"kda", "KK"},    {"kda+softmax", "KA"},
 };
+const MixerEntry kHybridRope = {"kda+softmax_rope", "KA", true};
 
 void print_usage() {
   std::puts(
@@ -78,7 +82,8 @@ void print_usage() {
       "--progress N: every run prints its step, mean loss and time a step every N steps, and\n"
       "its line of recall_runs.jsonl keeps them (train_loss_curve: [step, loss] pairs).\n"
       "--hybrid-rope puts RoPE on the hybrid's softmax layer (default NoPE, as Kimi Linear's\n"
-      "MLA; the softmax model always has RoPE).\n"
+      "MLA; the softmax model always has RoPE). --mixers kda+softmax_rope names that hybrid as\n"
+      "a mixer of its own, so one grid can hold both (not in the default grid).\n"
       "--deterministic: bit-reproducible GPU runs (a run's result is a function of its seed;\n"
       "the softmax attention backward off its fastest kernel); the CPU always is. Not a\n"
       "setting of the runs file: either way a run draws from the same distribution.");
@@ -97,7 +102,8 @@ std::string svg_plot(const std::vector<std::string>& tasks, const std::vector<in
                      const std::vector<MixerEntry>& mixers,
                      const std::map<std::string, double>& acc) {
   const int panel_w = 300, panel_h = 220, pad = 40;
-  const char* colors[] = {"#d62728", "#7f7f7f", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e"};
+  const char* colors[] = {"#d62728", "#7f7f7f", "#1f77b4", "#2ca02c",
+                          "#9467bd", "#ff7f0e", "#8c564b"};
   std::ostringstream s;
   const int width = int(tasks.size()) * (panel_w + pad) + pad + 120;
   s << "<svg xmlns='http://www.w3.org/2000/svg' width='" << width << "' height='"
@@ -132,16 +138,16 @@ std::string svg_plot(const std::vector<std::string>& tasks, const std::vector<in
         if (it == acc.end()) continue;
         const int x = px(li), y = y0 + panel_h - int(it->second * panel_h);
         points << x << "," << y << " ";
-        dots << "<circle cx='" << x << "' cy='" << y << "' r='2.5' fill='" << colors[mi % 6]
+        dots << "<circle cx='" << x << "' cy='" << y << "' r='2.5' fill='" << colors[mi % 7]
              << "'/>";
       }
-      s << "<polyline fill='none' stroke-width='2' stroke='" << colors[mi % 6] << "' points='"
+      s << "<polyline fill='none' stroke-width='2' stroke='" << colors[mi % 7] << "' points='"
         << points.str() << "'/>" << dots.str() << "\n";
     }
   }
   for (size_t mi = 0; mi < mixers.size(); ++mi) {
     const int x = width - 110, y = pad + 16 * int(mi);
-    s << "<rect x='" << x << "' y='" << y - 8 << "' width='10' height='10' fill='" << colors[mi % 6]
+    s << "<rect x='" << x << "' y='" << y - 8 << "' width='10' height='10' fill='" << colors[mi % 7]
       << "'/><text x='" << x + 14 << "' y='" << y + 1 << "'>" << mixers[mi].name << "</text>\n";
   }
   s << "</svg>\n";
@@ -240,6 +246,10 @@ int cmd_bench_recall(const Args& args) {
     } else if (a == "--mixers") {
       mixers.clear();
       for (const std::string& name : split(value)) {
+        if (name == kHybridRope.name) {
+          mixers.push_back(kHybridRope);
+          continue;
+        }
         auto it = std::find_if(kMixers.begin(), kMixers.end(),
                                [&](const MixerEntry& m) { return m.name == name; });
         require(it != kMixers.end(), "bench recall: unknown mixer '" + name + "'");
@@ -397,7 +407,7 @@ int cmd_bench_recall(const Args& args) {
       run.model.kda_gate = kda_gate;
       run.model.gate_dt_max = gate_dt_max;
       run.model.gate_dt_per_channel = gate_dt_per_channel;
-      run.model.hybrid_rope = hybrid_rope;
+      run.model.hybrid_rope = hybrid_rope || c.mixer.hybrid_rope;
       run.device = device;
       run.deterministic = deterministic;
       run.task = {train::parse_task(c.task), vocab, c.T, 0};
