@@ -9,6 +9,7 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -138,17 +139,18 @@ std::string svg_plot(const std::vector<std::string>& tasks, const std::vector<in
         if (it == acc.end()) continue;
         const int x = px(li), y = y0 + panel_h - int(it->second * panel_h);
         points << x << "," << y << " ";
-        dots << "<circle cx='" << x << "' cy='" << y << "' r='2.5' fill='" << colors[mi % 7]
-             << "'/>";
+        dots << "<circle cx='" << x << "' cy='" << y << "' r='2.5' fill='"
+             << colors[mi % std::size(colors)] << "'/>";
       }
-      s << "<polyline fill='none' stroke-width='2' stroke='" << colors[mi % 7] << "' points='"
-        << points.str() << "'/>" << dots.str() << "\n";
+      s << "<polyline fill='none' stroke-width='2' stroke='" << colors[mi % std::size(colors)]
+        << "' points='" << points.str() << "'/>" << dots.str() << "\n";
     }
   }
   for (size_t mi = 0; mi < mixers.size(); ++mi) {
     const int x = width - 110, y = pad + 16 * int(mi);
-    s << "<rect x='" << x << "' y='" << y - 8 << "' width='10' height='10' fill='" << colors[mi % 7]
-      << "'/><text x='" << x + 14 << "' y='" << y + 1 << "'>" << mixers[mi].name << "</text>\n";
+    s << "<rect x='" << x << "' y='" << y - 8 << "' width='10' height='10' fill='"
+      << colors[mi % std::size(colors)] << "'/><text x='" << x + 14 << "' y='" << y + 1 << "'>"
+      << mixers[mi].name << "</text>\n";
   }
   s << "</svg>\n";
   return s.str();
