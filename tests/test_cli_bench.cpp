@@ -66,14 +66,15 @@ TEST(CliBench, RecallWritesJsonOfEveryCell) {
 
 // docs/RECALL.md's grid is what its command makes of docs/recall_v8192_runs.jsonl: every row of
 // the best-rate table the command writes stands in RECALL.md as it is (a run added to the file
-// without the table, or a table edited by hand, fails here).
+// without the table, or a table edited by hand, fails here). The six mixers and the RoPE hybrid.
 TEST(CliBench, RecallDocsTableIsWhatTheRunsFileGives) {
   const kda::testing::ScratchDir scratch;
   const std::filesystem::path out_root(scratch.str()), docs(KDA_DOCS_DIR);
   std::filesystem::copy_file(docs / "recall_v8192_runs.jsonl", out_root / "recall_runs.jsonl");
   const CommandResult r =
       run("bench recall --device cuda --vocab 8192 --kda-gate bounded --gate-dt-max 0.01 --steps "
-          "20000 --lrs 1e-3,5e-4,3e-3 --lengths 256,512,1024,2048 --no-train --out " +
+          "20000 --lrs 1e-3,5e-4,3e-3 --lengths 256,512,1024,2048 --mixers "
+          "softmax,linear,delta,gated_delta,kda,kda+softmax,kda+softmax_rope --no-train --out " +
           out_root.string());
   ASSERT_EQ(r.status, 0) << r.output;
   const std::string written = slurp(out_root / "recall.md"), doc = slurp(docs / "RECALL.md");
@@ -86,7 +87,7 @@ TEST(CliBench, RecallDocsTableIsWhatTheRunsFileGives) {
     EXPECT_EQ(line.find("| - |"), std::string::npos) << "a cell without a run: " << line;
     ++rows;
   }
-  EXPECT_EQ(rows, 7) << written;  // the header and six mixers
+  EXPECT_EQ(rows, 8) << written;  // the header, six mixers and the RoPE hybrid
 }
 
 // --progress N: every run reports its step, mean loss and time a step every N steps (and only
@@ -342,6 +343,26 @@ TEST(CliBench, RecallShardsSplitTheGridAndNoTrainReports) {
   const CommandResult part = run(grid + " --no-train --out " + (out / "shard2").string());
   ASSERT_EQ(part.status, 0) << part.output;
   EXPECT_NE(part.output.find("training 0 of the"), std::string::npos) << part.output;
+  // ... and lists each missing run once: the 8 cells less the shard's own
+  const size_t own = read_runs(out / "shard2" / "recall_runs.jsonl").size();
+  size_t listed = 0;
+  for (size_t at = part.output.find("  missing "); at != std::string::npos;
+       at = part.output.find("  missing ", at + 1))
+    ++listed;
+  EXPECT_EQ(listed, 8u - own) << part.output;
+  std::set<std::string> own_keys;
+  for (const auto& one : read_runs(out / "shard2" / "recall_runs.jsonl"))
+    own_keys.insert(one["mixer"].get<std::string>() + "/" + one["task"].get<std::string>() + "/" +
+                    std::to_string(one["seq_len"].get<int64_t>()));
+  for (const auto& one : read_runs(out / "all" / "recall_runs.jsonl")) {
+    const std::string mixer = one["mixer"], task = one["task"];
+    const int64_t T = one["seq_len"];
+    char line[128];
+    std::snprintf(line, sizeof line, "  missing %-16s %-10s T=%-5lld lr 3e-03 seed 17\n",
+                  mixer.c_str(), task.c_str(), (long long)T);
+    const bool is_own = own_keys.count(mixer + "/" + task + "/" + std::to_string(T)) > 0;
+    EXPECT_EQ(part.output.find(line) != std::string::npos, !is_own) << line << part.output;
+  }
   const auto partial = nlohmann::json::parse(slurp(out / "shard2" / "recall.json"));
   EXPECT_EQ(partial.size(), read_runs(out / "shard2" / "recall_runs.jsonl").size());
   EXPECT_NE(slurp(out / "shard2" / "recall.md").find("| - |"), std::string::npos);

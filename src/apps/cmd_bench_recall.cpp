@@ -74,8 +74,9 @@ void print_usage() {
       "--shard I/N trains only shard I (0-based) of N of the runs still missing: the runs are\n"
       "dealt longest first to the least loaded shard (cost: tokens a step), the same way in\n"
       "every call that reads the same runs file, so N processes (one a GPU,\n"
-      "scripts/recall_grid.sh) split a grid between them. --no-train trains nothing and\n"
-      "reports the runs DIR's recall_runs.jsonl holds (cells without one show '-').\n"
+      "scripts/recall_grid.sh) split a grid between them. --no-train trains nothing,\n"
+      "reports the runs DIR's recall_runs.jsonl holds (cells without one show '-') and lists\n"
+      "the runs still missing (with --sweep-below, those its rule still needs).\n"
       "--sweep-below A trains the other learning rates of a cell only where the first one\n"
       "(the first of --lrs) reached a mean accuracy below A (e.g. 0.99: the best of three\n"
       "cannot beat ~100 %); until the first rate's runs of a cell are finished (in this call\n"
@@ -384,6 +385,11 @@ int cmd_bench_recall(const Args& args) {
     std::printf("training %zu of the %zu missing runs", order.size(), pending.size());
     if (shards > 1) std::printf(" (shard %lld of %lld)", (long long)shard, (long long)shards);
     std::printf("\n");
+    if (no_train)  // the plan for the calls still to make, longest first
+      for (size_t i : pending)
+        std::printf("  missing %-16s %-10s T=%-5lld lr %.0e seed %llu\n",
+                    cells[i].mixer.name.c_str(), cells[i].task.c_str(), (long long)cells[i].T,
+                    cells[i].lr, (unsigned long long)cells[i].seed);
     std::fflush(stdout);  // (a shard's log is a file: show the line before the hours of training)
   }
   bool cut_line = false;  // the file ends inside a line: start ours on a fresh one
