@@ -226,6 +226,35 @@ TEST(CliBench, RecallContinueReusesFinishedRuns) {
   EXPECT_EQ(runs.size(), 4u);  // 2 with 3 steps, 2 with 4
 }
 
+// Without --continue a call starts a new runs file, but an earlier one (hours of GPU time, and
+// --continue is easy to forget) is moved aside to recall_runs.before.N.jsonl, never overwritten.
+TEST(CliBench, RecallWithoutContinueKeepsTheEarlierRuns) {
+  const kda::testing::ScratchDir scratch;
+  const std::filesystem::path out(scratch.str());
+  const std::string base =
+      "bench recall --quick --lengths 16 --mixers delta --tasks stack --lrs 3e-3 --out " +
+      out.string();
+  const CommandResult first = run(base + " --steps 3");
+  ASSERT_EQ(first.status, 0) << first.output;
+  const std::string first_runs = slurp(out / "recall_runs.jsonl");
+  ASSERT_EQ(read_runs(out / "recall_runs.jsonl").size(), 1u);
+  const std::pair<const char*, int64_t> calls[] = {{"recall_runs.before.1.jsonl", 4},
+                                                   {"recall_runs.before.2.jsonl", 5}};
+  for (const auto& [kept, steps] : calls) {
+    const CommandResult again = run(base + " --steps " + std::to_string(steps));
+    ASSERT_EQ(again.status, 0) << again.output;
+    EXPECT_NE(again.output.find("moved the earlier runs to"), std::string::npos) << again.output;
+    ASSERT_TRUE(std::filesystem::exists(out / kept)) << again.output;
+    ASSERT_EQ(read_runs(out / "recall_runs.jsonl").size(), 1u);  // this call's run alone
+    EXPECT_EQ(read_runs(out / "recall_runs.jsonl")[0].at("settings").at("steps").get<int64_t>(),
+              steps);
+  }
+  EXPECT_EQ(slurp(out / "recall_runs.before.1.jsonl"), first_runs);  // the first, untouched
+  EXPECT_EQ(
+      read_runs(out / "recall_runs.before.2.jsonl")[0].at("settings").at("steps").get<int64_t>(),
+      4);
+}
+
 // --hybrid-rope trains the hybrid with RoPE on its softmax layer: a setting of its own, so runs
 // made without it are not reused for it (and the other way round).
 TEST(CliBench, RecallHybridRopeIsASettingOfItsOwn) {

@@ -63,7 +63,8 @@ void print_usage() {
       "task, seq_len, accuracy, lr, seeds}), recall_runs.jsonl (every run, one line each, written\n"
       "as it finishes) and recall.svg (default out/recall). --continue keeps DIR's\n"
       "recall_runs.jsonl and trains only the runs it lacks (same settings), so a grid can span\n"
-      "several calls of a time-limited machine.\n"
+      "several calls of a time-limited machine; without it an earlier runs file is moved to\n"
+      "recall_runs.before.N.jsonl, never overwritten.\n"
       "--seeds N trains every cell from N seeds (17, 18, ...): a cell's accuracy is the mean over\n"
       "them at the learning rate with the best mean, shown with its min-max; MQAR is learned in\n"
       "a sudden transition, so one seed cannot rank mixers near it.\n"
@@ -155,6 +156,19 @@ std::string svg_plot(const std::vector<std::string>& tasks, const std::vector<in
   }
   s << "</svg>\n";
   return s.str();
+}
+
+// A runs file can hold hours of GPU time: a call without --continue starts a new one, but first
+// moves the old one aside (recall_runs.before.N.jsonl, the first N not taken), never over it.
+void keep_earlier_runs(const std::string& out_dir, const std::string& runs_path) {
+  if (!std::filesystem::exists(runs_path) || std::filesystem::file_size(runs_path) == 0) return;
+  std::string kept;
+  for (int n = 1;; ++n) {
+    kept = out_dir + "/recall_runs.before." + std::to_string(n) + ".jsonl";
+    if (!std::filesystem::exists(kept)) break;
+  }
+  std::filesystem::rename(runs_path, kept);
+  std::printf("moved the earlier runs to %s (--continue reuses them instead)\n", kept.c_str());
 }
 
 }  // namespace
@@ -315,6 +329,7 @@ int cmd_bench_recall(const Args& args) {
   std::filesystem::create_directories(out_dir);
   const std::string runs_path = out_dir + "/recall_runs.jsonl";
   size_t reused = 0;
+  if (!continue_runs) keep_earlier_runs(out_dir, runs_path);
   if (continue_runs && std::filesystem::exists(runs_path)) {
     std::ifstream in(runs_path);
     std::string line;
