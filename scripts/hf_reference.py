@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Loads model folders in Hugging Face transformers and writes what they compute there.
+
+For each folder (a `kda train --model` run folder, a `kda export` folder, models/kimi-mini, ...)
+this writes OUT/<name>/reference.safetensors in the format of ../shared/fixtures/models
+(input_ids, logits, loss, greedy_prompt, greedy_out) and, unless --no-grads, the gradient of
+that loss for every tensor of the checkpoint in OUT/<name>/grads/model.safetensors. Copy those
+beside the folder's config.json and model.safetensors and `kda verify FOLDER` then holds kda's
+forward, decode and gradients to transformers' reading of the same files.
+
+The load is strict: a missing, unexpected or mis-shaped tensor is an error, since transformers
+would otherwise fill it with fresh random values and the comparison would fail for the wrong
+reason. Runs on the CPU in fp32 (the fixtures' setting). Needs torch and transformers (the GPU
+machine has both); no numpy, no safetensors package.
+"""
+
+import argparse
+import json
+import os
+import struct
+import sys
+
+DTYPE_NAMES = {"torch.float32": "F32", "torch.int64": "I64"}
+
+
+def write_safetensors(path, tensors, metadata):
+    """tensors: name -> (dtype "F32"/"I64", shape, little-endian bytes), in the file's order."""
+    header, offset = {"__metadata__": metadata}, 0
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for _, _, data in tensors.values():
+            f.write(data)
+    os.replace(tmp, path)
+
+
+def read_safetensors_names(path):
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return list(header)
+
+
+def as_entry(t):
+    t = t.detach().cpu().contiguous()
+    return (DTYPE_NAMES[str(t.dtype)], tuple(t.shape), t.numpy().tobytes())
+
+
+def load_strict(folder, torch, transformers):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, output_loading_info=True, attn_implementation="eager"
+    )
+    tied = getattr(model, "_tied_weights_keys", None) or []  # a list, or {target: source}
+    info["missing_keys"] = [k for k in info.get("missing_keys", []) if k not in tied]
+    problems = {k: v for k, v in info.items() if v}
+    if problems:
+        raise SystemExit(f"{folder}: transformers did not load every tensor as stored: {problems}")
+    return model.eval()
+
+
+def greedy_no_cache(model, torch, prompt, total):
+    """The greedy continuation recomputed from scratch each step: generate() without its cache."""
+    ids = prompt
+    with torch.no_grad():
+        while ids.shape[1] < total:
+            nxt = model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], dim=1)
+    return ids
+
+
+def reference_for(folder, out_dir, torch, transformers, tokens, new_tokens, seed, grads):
+    model = load_strict(folder, torch, transformers)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (1, tokens), generator=gen, dtype=torch.int64)
+
+    logits = model(ids, use_cache=False).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
+
+    # generate() is prefill then token-by-token decode through the model's cache; no EOS stop,
+    # so the continuation has its full length whatever the model emits
+    prompt = ids[:, :12]
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    if out.shape[1] != 12 + new_tokens:
+        raise SystemExit(f"{folder}: generate() returned {out.shape[1]} tokens, not {12 + new_tokens}")
+    plain = greedy_no_cache(model, torch, prompt, 12 + new_tokens)
+    cache_vs_plain = int((plain != out).sum())
+
+    os.makedirs(out_dir, exist_ok=True)
+    meta = {
+        "loss": "mean cross-entropy of logits[:-1] vs ids[1:]; grad.<param> = d loss / d param",
+        "reference": f"transformers {transformers.__version__} {type(model).__name__}, fp32, CPU",
+        "source": os.path.abspath(folder),
+    }
+    write_safetensors(
+        os.path.join(out_dir, "reference.safetensors"),
+        {
+            "greedy_out": as_entry(out),
+            "greedy_prompt": as_entry(prompt),
+            "input_ids": as_entry(ids),
+            "logits": as_entry(logits),
+            "loss": as_entry(loss.reshape(1)),
+        },
+        meta,
+    )
+
+    grad_count = 0
+    if grads:
+        loss.backward()
+        params = dict(model.named_parameters(remove_duplicate=False))
+        buffers = dict(model.named_buffers())
+        entries = {}
+        for name in read_safetensors_names(os.path.join(folder, "model.safetensors")):
+            if name in params:
+                p = params[name]
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+            elif name in buffers:  # e.g. a router's selection bias: no gradient
+                g = torch.zeros_like(buffers[name], dtype=torch.float32)
+            else:
+                raise SystemExit(f"{folder}: '{name}' is neither a parameter nor a buffer there")
+            entries[name] = as_entry(g.float())
+        os.makedirs(os.path.join(out_dir, "grads"), exist_ok=True)
+        write_safetensors(os.path.join(out_dir, "grads", "model.safetensors"), entries, {"format": "pt"})
+        grad_count = len(entries)
+
+    print(
+        f"{os.path.basename(os.path.normpath(folder))}: {type(model).__name__}, vocab {vocab}, "
+        f"{sum(p.numel() for p in model.parameters())} parameters, loss {loss.item():.6f}, "
+        f"greedy {out[0, 12:].tolist()[:8]}..., generate vs no-cache greedy: {cache_vs_plain} "
+        f"differ, {grad_count} gradients"
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("folders", nargs="+")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokens", type=int, default=96)  # past one 64-token chunk
+    ap.add_argument("--new-tokens", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--no-grads", nargs="*", default=[], help="folder names to skip gradients for")
+    args = ap.parse_args()
+
+    import torch
+    import transformers
+
+    torch.manual_seed(args.seed)
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
+    for folder in args.folders:
+        name = os.path.basename(os.path.normpath(folder))
+        reference_for(
+            folder, os.path.join(args.out, name), torch, transformers, args.tokens,
+            args.new_tokens, args.seed, grads=name not in args.no_grads,
+        )
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
