@@ -118,19 +118,25 @@ def reference_for(folder, out_dir, torch, transformers, tokens, new_tokens, seed
         loss.backward()
         params = dict(model.named_parameters(remove_duplicate=False))
         buffers = dict(model.named_buffers())
-        entries = {}
+        entries, unmapped = {}, []
         for name in read_safetensors_names(os.path.join(folder, "model.safetensors")):
             if name in params:
                 p = params[name]
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
             elif name in buffers:  # e.g. a router's selection bias: no gradient
                 g = torch.zeros_like(buffers[name], dtype=torch.float32)
-            else:
-                raise SystemExit(f"{folder}: '{name}' is neither a parameter nor a buffer there")
+            else:  # transformers may hold it fused with others (a conversion on load)
+                unmapped.append(name)
+                continue
             entries[name] = as_entry(g.float())
-        os.makedirs(os.path.join(out_dir, "grads"), exist_ok=True)
-        write_safetensors(os.path.join(out_dir, "grads", "model.safetensors"), entries, {"format": "pt"})
-        grad_count = len(entries)
+        if unmapped:
+            print(f"{folder}: no gradients written: {len(unmapped)} stored tensors are not "
+                  f"parameters of the loaded model as named, e.g. {unmapped[:3]}")
+        else:
+            os.makedirs(os.path.join(out_dir, "grads"), exist_ok=True)
+            write_safetensors(os.path.join(out_dir, "grads", "model.safetensors"), entries,
+                              {"format": "pt"})
+            grad_count = len(entries)
 
     print(
         f"{os.path.basename(os.path.normpath(folder))}: {type(model).__name__}, vocab {vocab}, "
