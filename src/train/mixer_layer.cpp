@@ -50,6 +50,38 @@ std::vector<int64_t> token_positions(int64_t B, int64_t T, const std::vector<int
 
 }  // namespace
 
+ops::DeltaRuleShape MixerLayer::op_shape(ops::Gate gate) const {
+  // the ops see a packed batch as one row of B * T tokens delimited by cu_seqlens
+  const bool packed = !cu_seqlens_.empty();
+  return {packed ? 1 : B_, packed ? B_ * T_ : T_, H_, H_, dh_, dh_, gate, 0};
+}
+
+ops::DeltaRuleInputs<float> MixerLayer::delta_inputs() const {
+  const bool gated = kind_ == MixerKind::gated_delta;
+  return {op_shape(gated ? ops::Gate::scalar : ops::Gate::none),
+          qn_.data(),
+          kn_.data(),
+          v_.data(),
+          gated ? g_.data() : nullptr,
+          beta_.data(),
+          nullptr,
+          cu_seqlens_};
+}
+
+ops::KdaInputs<float> MixerLayer::kda_inputs() const {
+  return {op_shape(ops::Gate::channel),
+          kda_options_,
+          q_.data(),
+          k_.data(),
+          v_.data(),
+          graw_.data(),
+          braw_.data(),
+          w_.A_log->value.f32(),
+          w_.dt_bias->value.f32(),
+          nullptr,
+          cu_seqlens_};
+}
+
 void MixerLayer::forward(const float* x, int64_t B, int64_t T, float* y,
                          std::span<const int64_t> cu_seqlens) {
   B_ = B;
@@ -129,31 +161,11 @@ void MixerLayer::forward(const float* x, int64_t B, int64_t T, float* y,
                   act::softplus(graw_[i] + w_.dt_bias->value.f32()[h]);
         }
       }
-      const ops::Gate gate = gated ? ops::Gate::scalar : ops::Gate::none;
-      ops::delta_rule_chunk_forward({{OB, OT, H_, H_, dh_, dh_, gate, 0},
-                                     qn_.data(),
-                                     kn_.data(),
-                                     v_.data(),
-                                     gated ? g_.data() : nullptr,
-                                     beta_.data(),
-                                     nullptr,
-                                     cu},
-                                    o_.data(), nullptr);
+      ops::delta_rule_chunk_forward(delta_inputs(), o_.data(), nullptr);
       break;
     }
     case MixerKind::kda: {
-      ops::kda_chunk_forward({{OB, OT, H_, H_, dh_, dh_, ops::Gate::channel, 0},
-                              kda_options_,
-                              q_.data(),
-                              k_.data(),
-                              v_.data(),
-                              graw_.data(),
-                              braw_.data(),
-                              w_.A_log->value.f32(),
-                              w_.dt_bias->value.f32(),
-                              nullptr,
-                              cu},
-                             o_.data(), nullptr);
+      ops::kda_chunk_forward(kda_inputs(), o_.data(), nullptr);
       break;
     }
     case MixerKind::mla:
@@ -191,19 +203,10 @@ void MixerLayer::backward(const float* dy, float* dx) {
     case MixerKind::delta:
     case MixerKind::gated_delta: {
       const bool gated = kind_ == MixerKind::gated_delta;
-      const ops::Gate gate = gated ? ops::Gate::scalar : ops::Gate::none;
       std::vector<float> dqn(rows * inner), dkn(rows * inner), dbeta(rows * H_), dg;
       if (gated) dg.resize(rows * H_);
       ops::delta_rule_chunk_backward(
-          {{OB, OT, H_, H_, dh_, dh_, gate, 0},
-           qn_.data(),
-           kn_.data(),
-           v_.data(),
-           gated ? g_.data() : nullptr,
-           beta_.data(),
-           nullptr,
-           cu},
-          d_o.data(), nullptr,
+          delta_inputs(), d_o.data(), nullptr,
           {dqn.data(), dkn.data(), dv.data(), gated ? dg.data() : nullptr, dbeta.data(), nullptr});
       act::l2norm_rows_backward(q_.data(), dqn.data(), rows * H_, dh_, dq.data());
       act::l2norm_rows_backward(k_.data(), dkn.data(), rows * H_, dh_, dk.data());
@@ -229,18 +232,7 @@ void MixerLayer::backward(const float* dy, float* dx) {
       dbraw.resize(rows * H_);
       dgraw.resize(rows * inner);
       std::vector<float> dA(H_), ddt(inner);
-      ops::kda_chunk_backward({{OB, OT, H_, H_, dh_, dh_, ops::Gate::channel, 0},
-                               kda_options_,
-                               q_.data(),
-                               k_.data(),
-                               v_.data(),
-                               graw_.data(),
-                               braw_.data(),
-                               w_.A_log->value.f32(),
-                               w_.dt_bias->value.f32(),
-                               nullptr,
-                               cu},
-                              d_o.data(), nullptr,
+      ops::kda_chunk_backward(kda_inputs(), d_o.data(), nullptr,
                               {dq.data(), dk.data(), dv.data(), dgraw.data(), dbraw.data(),
                                dA.data(), ddt.data(), nullptr});
       for (int64_t h = 0; h < H_; ++h) w_.A_log->grad.f32()[h] += dA[h];

@@ -42,6 +42,11 @@ class MixerLayer {
   void backward(const float* dy, float* dx);
 
  private:
+  // The chunked ops' shape and inputs over this step's activations (forward and backward).
+  ops::DeltaRuleShape op_shape(ops::Gate gate) const;
+  ops::DeltaRuleInputs<float> delta_inputs() const;
+  ops::KdaInputs<float> kda_inputs() const;
+
   MixerKind kind_;
   int64_t d_, H_, dh_, B_ = 0, T_ = 0;
   bool rope_ = false;
