@@ -113,6 +113,38 @@ TEST(Gpt2Fixture, VerifyMatchesTransformers) {
   EXPECT_FALSE(verify::is_model_fixture(kFixture + "/model.safetensors"));
 }
 
+// A NaN in one tensor's gradient fails the gradient row, whichever tensors come after it.
+TEST(Gpt2Fixture, VerifyFailsOnANonFiniteGradient) {
+  for (const char* poisoned : {"transformer.wte.weight", "transformer.h.0.attn.c_attn.weight"}) {
+    ScratchDir dir;
+    for (const char* f : {"config.json", "model.safetensors", "reference.safetensors"})
+      fs::copy_file(kFixture + "/" + f, dir.file(f));
+    fs::create_directories(dir.file("grads"));
+    const SafetensorsFile grads = SafetensorsFile::open(kFixture + "/grads/model.safetensors");
+    std::vector<Tensor> tensors;
+    const std::vector<std::string> names = grads.names();
+    for (const std::string& name : names) tensors.push_back(grads.load(name));
+    std::vector<NamedTensor> out;
+    for (size_t i = 0; i < names.size(); ++i) {
+      if (names[i] == poisoned) tensors[i].f32()[tensors[i].numel() / 2] = NAN;
+      out.push_back({names[i], &tensors[i]});
+    }
+    write_safetensors(dir.file("grads/model.safetensors"), out);
+    const verify::FixtureReport report = verify::check_model_folder(dir.str());
+    int gradient_rows = 0;
+    for (const verify::CheckRow& r : report.rows) {
+      if (r.quantity.rfind("gradients", 0) != 0) {
+        EXPECT_TRUE(r.passed()) << r.path << " " << r.quantity;  // the rest is untouched
+        continue;
+      }
+      ++gradient_rows;
+      EXPECT_FALSE(r.passed()) << poisoned << ": " << r.quantity << " " << r.error;
+      EXPECT_NE(r.quantity.find(poisoned), std::string::npos) << r.quantity;
+    }
+    EXPECT_EQ(gradient_rows, 1) << poisoned;
+  }
+}
+
 TEST(Gpt2Fixture, DescribeMatchesLoadedModel) {
   const model::ArchitectureInfo info = model::describe_config(fixture_config());
   const auto lm = model::load_causal_lm(kFixture);

@@ -129,8 +129,11 @@ FixtureReport check_model_folder(const std::string& path, const ModelLoader& loa
         num += d * d;
         den += double(g.f32()[i]) * g.f32()[i];
       }
-      const double error = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-      if (!(error <= worst)) worst = std::isfinite(error) ? error : NAN, worst_name = p->name;
+      // a non-finite error counts as infinite: the worst there is, never overtaken by a later
+      // tensor (a NaN would be, since every comparison with it is false)
+      double error = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+      if (!std::isfinite(error)) error = INFINITY;
+      if (error > worst || compared == 0) worst = error, worst_name = p->name;
       ++compared;
     }
     require(compared == int64_t(names.size()),
