@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -38,10 +40,18 @@ std::vector<std::string> lines(const fs::path& p) {
   return out;
 }
 
-// the "loss" field of a log line
+// the "loss" field of a log line, as written (bit-for-bit comparisons); a run whose losses
+// are not finite numbers fails here, so that two NaN runs cannot match each other
 std::string loss_of(const std::string& line) {
   const auto at = line.find("\"loss\":");
-  return line.substr(at, line.find(',', at) - at);
+  EXPECT_NE(at, std::string::npos) << line;
+  if (at == std::string::npos) return "";
+  const std::string field = line.substr(at, line.find(',', at) - at);
+  const std::string value = field.substr(7);
+  char* end = nullptr;
+  const double loss = std::strtod(value.c_str(), &end);
+  EXPECT_TRUE(end != value.c_str() && std::isfinite(loss)) << "loss not a finite number: " << line;
+  return field;
 }
 
 TEST(CliTrain, ResumedRunMatchesTheUninterruptedOneBitForBit) {

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -323,7 +324,13 @@ std::vector<std::string> log_lines(const fs::path& p, const std::string& key) {
   std::vector<std::string> out;
   std::string line;
   while (std::getline(in, line)) {
-    if (line.find("\"" + key + "\":") == std::string::npos) continue;
+    const auto at = line.find("\"" + key + "\":");
+    if (at == std::string::npos) continue;
+    // two runs of NaN losses would match each other: every value must be a finite number
+    const char* value = line.c_str() + at + key.size() + 3;
+    char* end = nullptr;
+    const double x = std::strtod(value, &end);
+    EXPECT_TRUE(end != value && std::isfinite(x)) << key << " not a finite number: " << line;
     // timings differ between runs: keep everything up to them
     out.push_back(line.substr(0, line.find("\"tokens_per_s\"")));
   }
