@@ -72,12 +72,6 @@ void perturb(Gpt2Trainable& model, uint64_t seed) {
   }
 }
 
-void fill_poison(Gpt2Trainable& model) {
-  for (Param* p : model.params())
-    std::fill(p->grad.span_f32().begin(), p->grad.span_f32().end(),
-              std::numeric_limits<float>::quiet_NaN());
-}
-
 std::vector<int32_t> random_ids(Random& rng, int64_t n, int64_t vocab) {
   std::vector<int32_t> ids(static_cast<size_t>(n));
   for (int32_t& id : ids) id = int32_t(rng.integer(0, vocab - 1));
@@ -109,7 +103,6 @@ TEST(HfGpt2Train, FixtureLossAndEveryGradientMatchTransformers) {
   for (int64_t t = 0; t < T; ++t) targets[t] = t + 1 < T ? ids[t + 1] : -1;
   const double ref_loss = ref.load("loss").f32()[0];
 
-  fill_poison(*model);
   model->zero_grad();
   const train::StepResult r = model->forward_backward(ids.data(), targets.data(), 1, T, true);
   EXPECT_EQ(r.scored, T - 1);
@@ -135,6 +128,28 @@ TEST(HfGpt2Train, FixtureLossAndEveryGradientMatchTransformers) {
   EXPECT_EQ(compared, grads.names().size());
   std::printf("gpt2_tiny: loss %.8f vs %.8f (rel %.2e); worst gradient %s rel %.2e\n", r.loss,
               ref_loss, loss_error, worst_name.c_str(), worst);
+
+  // The backward adds into the gradients (accumulation over micro-batches): from random
+  // starting values it must land on start + the same gradient in every element, so an element
+  // it overwrites or never reaches shows (zero starting values, as above, cannot show either).
+  const auto from_zero = grads_of(*model);
+  Random rng(5);
+  std::map<std::string, std::vector<float>> start;
+  for (Param* p : model->params()) {
+    const std::vector<float>& g = from_zero.at(p->name);
+    double rms = 0;
+    for (float x : g) rms += double(x) * x;
+    rms = std::sqrt(rms / double(g.size()));
+    for (float& x : p->grad.span_f32()) x = float(rms * rng.normal());
+    start[p->name].assign(p->grad.f32(), p->grad.f32() + p->grad.numel());
+  }
+  model->forward_backward(ids.data(), targets.data(), 1, T, true);
+  for (Param* p : model->params()) {
+    const std::vector<float>& s = start.at(p->name);
+    std::vector<float> added(s.size());
+    for (size_t i = 0; i < s.size(); ++i) added[i] = p->grad.f32()[i] - s[i];
+    EXPECT_LE(relative_error(added, from_zero.at(p->name)), 1e-5) << p->name << " accumulated";
+  }
 }
 
 // d loss / d theta along two unit directions per tensor (the gradient's own and a random one),
@@ -151,7 +166,6 @@ TEST(HfGpt2Train, EveryGradientMatchesDirectionalFiniteDifferences) {
     Random rng(++seed);
     const int64_t B = 2, T = 9, V = model->settings().vocab;
     const std::vector<int32_t> in = random_ids(rng, B * T, V), tg = random_targets(rng, B * T, V);
-    fill_poison(*model);
     model->zero_grad();
     const double loss = model->forward_backward(in.data(), tg.data(), B, T, true).loss;
     for (Param* p : model->params()) {
@@ -203,7 +217,6 @@ TEST(HfGpt2Train, PackedDocumentsMatchSeparateRuns) {
   const int64_t B = 2, T = 10, V = model->settings().vocab;
   const std::vector<int64_t> cu = {0, 3, 4, 10, 17, 20};
   const std::vector<int32_t> in = random_ids(rng, B * T, V), tg = random_targets(rng, B * T, V);
-  fill_poison(*model);
   model->zero_grad();
   const train::StepResult packed = model->forward_backward(in.data(), tg.data(), B, T, true, cu);
   const auto packed_grads = grads_of(*model);
