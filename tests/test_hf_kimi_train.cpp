@@ -9,6 +9,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <vector>
 
@@ -109,6 +110,35 @@ TEST(HfKimiTrain, LossAndEveryGradientMatchTransformers) {
   EXPECT_EQ(compared, grads.names().size());
   std::printf("loss %.8f (ref %.8f); %zu gradients, worst %.2e (%s)\n", r.loss, ref_loss, compared,
               worst, worst_name.c_str());
+
+  // The backward adds into the gradients (accumulation over micro-batches): from random
+  // starting values it must land on start + the same gradient in every element, so an element
+  // it overwrites or never reaches shows (zero starting values, as above, cannot show either);
+  // a tensor without a gradient (the router's correction bias) keeps its start bit for bit.
+  std::map<std::string, std::vector<float>> from_zero, start;
+  Random rng(5);
+  for (train::Param* p : model->params()) {
+    const int64_t n = p->grad.numel();
+    from_zero[p->name].assign(p->grad.f32(), p->grad.f32() + n);
+    double rms = 0;
+    for (int64_t i = 0; i < n; ++i) rms += double(p->grad.f32()[i]) * p->grad.f32()[i];
+    rms = std::sqrt(rms / double(n));
+    for (float& x : p->grad.span_f32()) x = float((rms > 0 ? rms : 1.0) * rng.normal());
+    start[p->name].assign(p->grad.f32(), p->grad.f32() + n);
+  }
+  model->forward_backward(ids.data(), targets.data(), 1, T, true);
+  for (train::Param* p : model->params()) {
+    const std::vector<float>& s0 = start.at(p->name);
+    const std::vector<float>& g0 = from_zero.at(p->name);
+    std::vector<float> added(s0.size());
+    for (size_t i = 0; i < s0.size(); ++i) added[i] = p->grad.f32()[i] - s0[i];
+    if (std::all_of(g0.begin(), g0.end(), [](float x) { return x == 0.0f; })) {
+      EXPECT_TRUE(std::equal(s0.begin(), s0.end(), p->grad.f32())) << p->name << " touched";
+      continue;
+    }
+    EXPECT_LE(rel_diff(added.data(), g0.data(), int64_t(g0.size())), 1e-5)
+        << p->name << " accumulated";
+  }
 }
 
 // With every expert selected (top_k = E) the selection cannot flip, so the loss is smooth.
