@@ -2,6 +2,8 @@
 // golden op fixtures through `verify::check_op_fixture` (the code behind `kda verify`).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <map>
 #include <string>
@@ -10,6 +12,7 @@
 #include "core/random.h"
 #include "core/safetensors.h"
 #include "delta_rule_test_util.h"
+#include "ops/delta_rule/delta_rule.h"
 #include "ops/kda/kda.h"
 #include "scratch_dir.h"
 #include "verify/op_fixture.h"
@@ -149,41 +152,117 @@ TEST(KdaLayer, GradientsOfEveryInputMatchFiniteDifferences) {
   }
 }
 
+// The layer's activations written out here in double, independently of kda_activations.h:
+// q, k L2-normalised (or not), g from the gate, beta = sigmoid(braw); then the plain delta-rule
+// recurrence. o [B, T, HV, V] and the final states.
+void independent_reference(const LayerProblem& p, std::vector<double>& o, std::vector<double>& ht) {
+  const DeltaRuleShape& s = p.shape;
+  const int64_t tokens = s.B * s.T;
+  auto l2 = [&](const std::vector<float>& x) {
+    std::vector<double> y(x.begin(), x.end());
+    if (!p.options.l2norm_qk) return y;
+    for (int64_t r = 0; r < tokens * s.H; ++r) {
+      double n2 = 0;
+      for (int64_t i = 0; i < s.K; ++i) n2 += y[r * s.K + i] * y[r * s.K + i];
+      for (int64_t i = 0; i < s.K; ++i) y[r * s.K + i] /= std::max(std::sqrt(n2), 1e-6);
+    }
+    return y;
+  };
+  const std::vector<double> q = l2(p.q), k = l2(p.k), v(p.v.begin(), p.v.end()),
+                            h0(p.h0.begin(), p.h0.end());
+  std::vector<double> g(tokens * s.HV * s.K), beta(tokens * s.HV);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t hv = 0; hv < s.HV; ++hv) {
+      beta[t * s.HV + hv] = 1.0 / (1.0 + std::exp(-double(p.braw[t * s.HV + hv])));
+      for (int64_t c = 0; c < s.K; ++c) {
+        const int64_t i = (t * s.HV + hv) * s.K + c;
+        const double x = double(p.graw[i]) + p.dt_bias[hv * s.K + c],
+                     a = std::exp(double(p.A_log[hv]));
+        g[i] = p.options.gate == ops::KdaGate::softplus
+                   ? -a * std::log1p(std::exp(x))
+                   : p.options.lower_bound / (1.0 + std::exp(-a * x));
+      }
+    }
+  o.assign(tokens * s.HV * s.V, 0.0);
+  ht.assign(h0.size(), 0.0);
+  ops::delta_rule_reference({s, q.data(), k.data(), v.data(), g.data(), beta.data(), h0.data(), {}},
+                            o.data(), ht.data());
+}
+
 TEST(KdaLayer, ChunkedRecurrentAndDecodeAgreeWithReference) {
   const DeltaRuleShape shape{2, 150, 2, 4, 32, 16, Gate::channel, 0};
-  const LayerProblem p = random_layer(600, shape, {});
-  std::map<std::string, std::vector<double>> x = {{"q", testing::to_double(p.q)},
-                                                  {"k", testing::to_double(p.k)},
-                                                  {"v", testing::to_double(p.v)},
-                                                  {"graw", testing::to_double(p.graw)},
-                                                  {"braw", testing::to_double(p.braw)},
-                                                  {"A_log", testing::to_double(p.A_log)},
-                                                  {"dt_bias", testing::to_double(p.dt_bias)},
-                                                  {"h0", testing::to_double(p.h0)}};
-  auto ptr = [&](const char* n) { return x.at(n).data(); };
-  const size_t o_n = shape.B * shape.T * shape.HV * shape.V;
-  std::vector<double> o_ref(o_n), ht_ref(p.h0.size());
-  ops::kda_reference({shape,
-                      p.options,
-                      ptr("q"),
-                      ptr("k"),
-                      ptr("v"),
-                      ptr("graw"),
-                      ptr("braw"),
-                      ptr("A_log"),
-                      ptr("dt_bias"),
-                      ptr("h0"),
-                      {}},
-                     o_ref.data(), ht_ref.data());
-  auto o = testing::poisoned(o_n), ht = testing::poisoned(p.h0.size());
-  ops::kda_chunk_forward(p.inputs(), o.data(), ht.data());
-  EXPECT_LE(rel_error(o, o_ref), 1e-5);
-  EXPECT_LE(rel_error(ht, ht_ref), 1e-5);
-  o = testing::poisoned(o_n);
-  ht = testing::poisoned(p.h0.size());
-  ops::kda_recurrent_forward(p.inputs(), o.data(), ht.data());
-  EXPECT_LE(rel_error(o, o_ref), 1e-5);
-  EXPECT_LE(rel_error(ht, ht_ref), 1e-5);
+  uint64_t seed = 600;
+  for (const ops::KdaGate gate : {ops::KdaGate::softplus, ops::KdaGate::lower_bound})
+    for (const bool l2norm : {true, false}) {
+      ops::KdaOptions options;
+      options.gate = gate;
+      options.lower_bound = -2.5;
+      options.l2norm_qk = l2norm;
+      LayerProblem p = random_layer(seed++, shape, options);
+      if (!l2norm) {  // unnormalised keys of norm ~sqrt(K) would make the delta rule diverge
+        for (float& x : p.q) x /= std::sqrt(float(shape.K));
+        for (float& x : p.k) x /= std::sqrt(float(shape.K));
+      }
+      const std::string what =
+          std::string(gate == ops::KdaGate::softplus ? "softplus" : "bounded") +
+          (l2norm ? ", l2norm" : ", raw q/k");
+      std::vector<double> o_ref, ht_ref;
+      independent_reference(p, o_ref, ht_ref);
+
+      // the op's own float64 reference agrees with the one written out above
+      std::map<std::string, std::vector<double>> x = {{"q", testing::to_double(p.q)},
+                                                      {"k", testing::to_double(p.k)},
+                                                      {"v", testing::to_double(p.v)},
+                                                      {"graw", testing::to_double(p.graw)},
+                                                      {"braw", testing::to_double(p.braw)},
+                                                      {"A_log", testing::to_double(p.A_log)},
+                                                      {"dt_bias", testing::to_double(p.dt_bias)},
+                                                      {"h0", testing::to_double(p.h0)}};
+      auto ptr = [&](const char* n) { return x.at(n).data(); };
+      std::vector<double> o64(o_ref.size(), NAN), ht64(ht_ref.size(), NAN);
+      ops::kda_reference({shape,
+                          options,
+                          ptr("q"),
+                          ptr("k"),
+                          ptr("v"),
+                          ptr("graw"),
+                          ptr("braw"),
+                          ptr("A_log"),
+                          ptr("dt_bias"),
+                          ptr("h0"),
+                          {}},
+                         o64.data(), ht64.data());
+      EXPECT_LE(rel_error(o64, o_ref), 1e-12) << what;
+      EXPECT_LE(rel_error(ht64, ht_ref), 1e-12) << what;
+
+      auto o = testing::poisoned(o_ref.size()), ht = testing::poisoned(ht_ref.size());
+      ops::kda_chunk_forward(p.inputs(), o.data(), ht.data());
+      EXPECT_LE(rel_error(o, o_ref), 1e-5) << what << " chunked";
+      EXPECT_LE(rel_error(ht, ht_ref), 1e-5) << what << " chunked";
+      o = testing::poisoned(o_ref.size());
+      ht = testing::poisoned(ht_ref.size());
+      ops::kda_recurrent_forward(p.inputs(), o.data(), ht.data());
+      EXPECT_LE(rel_error(o, o_ref), 1e-5) << what << " recurrent";
+      EXPECT_LE(rel_error(ht, ht_ref), 1e-5) << what << " recurrent";
+
+      // decode: one token of each sequence per step, the state updated in place
+      const int64_t H = shape.H, HV = shape.HV, K = shape.K, V = shape.V, T = shape.T;
+      std::vector<float> state = p.h0;
+      o = testing::poisoned(o_ref.size());
+      DeltaRuleShape one = shape;
+      one.B = 1;
+      one.T = 1;
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t b = 0; b < shape.B; ++b) {
+          const int64_t tok = b * T + t;
+          ops::kda_decode_step(one, options, p.q.data() + tok * H * K, p.k.data() + tok * H * K,
+                               p.v.data() + tok * HV * V, p.graw.data() + tok * HV * K,
+                               p.braw.data() + tok * HV, p.A_log.data(), p.dt_bias.data(),
+                               state.data() + b * HV * K * V, o.data() + tok * HV * V);
+        }
+      EXPECT_LE(rel_error(o, o_ref), 1e-5) << what << " decode";
+      EXPECT_LE(rel_error(state, ht_ref), 1e-5) << what << " decode";
+    }
 }
 
 TEST(KdaLayer, RejectsBadArguments) {
