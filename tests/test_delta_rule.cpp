@@ -80,7 +80,8 @@ TEST(DeltaRule, SingleTokenDecayPastExpRangeStaysExact) {
   EXPECT_LE(rel_error(o, ref.o), 1e-5);
   EXPECT_LE(rel_error(ht, ref.ht), 1e-5);
   // gradients: a decay of e^-90 and one of e^-86 differ by < 1e-37 in every output, so the
-  // gradients of q, k, v, beta and h0 must match a problem whose gates sit at -86 instead
+  // gradients of q, k, v, beta and h0 must match a problem whose gates sit at -86 instead (the
+  // float64 finite differences of ChunkedBackwardMatchesFiniteDifferences hold dg there too)
   auto clamped = p;
   for (float& g : clamped.g) g = std::max(g, -86.0f);
   Random rng(12);
@@ -195,6 +196,7 @@ TEST(DeltaRule, ChunkedBackwardMatchesFiniteDifferences) {
     int chunk;
     std::vector<int64_t> cu;
     float gate_lo;
+    float beyond_exp = 0;  // < 0: every third gate set there (a one-token chunk each)
   };
   const std::vector<GradCase> cases = {
       {Gate::none, 2, 11, 1, 2, 6, 5, 4, {}, -0.3f},
@@ -202,11 +204,14 @@ TEST(DeltaRule, ChunkedBackwardMatchesFiniteDifferences) {
       {Gate::channel, 2, 11, 1, 2, 6, 5, 4, {}, -0.3f},
       {Gate::channel, 1, 1, 1, 1, 4, 3, 4, {}, -0.3f},
       {Gate::channel, 1, 13, 2, 2, 5, 4, 4, {0, 1, 6, 13}, -0.3f},
-      {Gate::channel, 1, 12, 1, 1, 5, 4, 8, {}, -20.0f},  // decay cuts chunks short
+      {Gate::channel, 1, 12, 1, 1, 5, 4, 8, {}, -20.0f},         // decay cuts chunks short
+      {Gate::channel, 1, 12, 1, 2, 5, 4, 8, {}, -0.5f, -90.0f},  // decays past fp32's exp
   };
   for (const GradCase& c : cases) {
     const DeltaRuleShape shape{c.B, c.T, c.H, c.HV, c.K, c.V, c.gate, 0};
     auto p = testing::random_delta_problem(seed++, shape, c.cu, true, c.gate_lo, -0.01f);
+    if (c.beyond_exp < 0)
+      for (size_t i = 0; i < p.g.size(); i += 3) p.g[i] = c.beyond_exp - 30.0f * float(i % 5);
     Random rng(seed++);
     std::vector<float> d_o(p.o_size()), d_ht(p.state_size());
     rng.fill_normal(d_o);
