@@ -146,9 +146,28 @@ def reference_for(folder, out_dir, torch, transformers, tokens, new_tokens, seed
     )
 
 
+def make_random(config_path, out_dir, torch, transformers, seed):
+    """A model that transformers itself initialises from a config (seeded, every tensor then
+    moved off its init so that biases and norms matter), saved with save_pretrained: the
+    direction opposite to the folders kda wrote, for kda's loader."""
+    config = transformers.AutoConfig.from_pretrained(config_path)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if "correction_bias" in name:
+                b.copy_(0.1 * torch.randn_like(b))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("folders", nargs="+")
+    ap.add_argument("folders", nargs="*")
+    ap.add_argument("--random-config", action="append", default=[],
+                    help="a config.json: transformers makes and saves a random model of it first")
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", type=int, default=96)  # past one 64-token chunk
     ap.add_argument("--new-tokens", type=int, default=20)
@@ -161,7 +180,12 @@ def main():
 
     torch.manual_seed(args.seed)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
-    for folder in args.folders:
+    folders = list(args.folders)
+    for config_path in args.random_config:
+        name = os.path.splitext(os.path.basename(config_path))[0]
+        folders.append(make_random(config_path, os.path.join(args.out, name), torch, transformers,
+                                   args.seed))
+    for folder in folders:
         name = os.path.basename(os.path.normpath(folder))
         reference_for(
             folder, os.path.join(args.out, name), torch, transformers, args.tokens,

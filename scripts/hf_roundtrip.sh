@@ -3,9 +3,13 @@
 # machine with torch and transformers (the GPU machine has both):
 #   bash scripts/hf_roundtrip.sh prepare DIR      # here: tiny Kimi Linear and GPT-2 trained by
 #                                                 # `kda train --model`, as run folders and exports
-#   python3 scripts/hf_reference.py --out REF DIR/* models/kimi-mini --no-grads kimi-mini
+#   python3 scripts/hf_reference.py --out REF DIR/*_run DIR/*_export models/kimi-mini \
+#     --no-grads kimi-mini --random-config DIR/kimi_linear_qlora.json
 #   bash scripts/hf_roundtrip.sh verify DIR REF   # here: `kda verify` on each folder + REF's
 #                                                 # reference (logits, loss, greedy, gradients)
+# The last model goes the other way: transformers makes it (random weights) from a config with
+# the paths the fixtures lack (q_lora_rank, convolution width 3, grouped routing, two shared
+# experts, two MLA layers), and kda reads what transformers saved.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kda=build/bin/kda
@@ -27,6 +31,21 @@ prepare)
       cp "$work/${arch}_$kind/config.json" "$work/${arch}_$kind/model.safetensors" "$dir/${arch}_$kind/"
     done
   done
+  cat > "$dir/kimi_linear_qlora.json" <<'JSON'
+{"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "dtype": "float32",
+ "vocab_size": 300, "hidden_size": 48, "num_hidden_layers": 5, "intermediate_size": 80,
+ "rms_norm_eps": 1e-5, "model_max_length": 2048, "tie_word_embeddings": false,
+ "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+ "linear_attn_config": {"kda_layers": [1, 3, 4], "full_attn_layers": [2, 5], "num_heads": 3,
+                        "head_dim": 16, "short_conv_kernel_size": 3},
+ "num_attention_heads": 3, "num_key_value_heads": 3, "q_lora_rank": 24, "kv_lora_rank": 20,
+ "qk_nope_head_dim": 12, "qk_rope_head_dim": 4, "v_head_dim": 10, "mla_use_nope": true,
+ "first_k_dense_replace": 2, "moe_layer_freq": 1, "num_experts": 6,
+ "num_experts_per_token": 3, "num_shared_experts": 2, "moe_intermediate_size": 16,
+ "moe_router_activation_func": "sigmoid", "moe_renormalize": true,
+ "routed_scaling_factor": 1.7, "use_grouped_topk": true, "num_expert_group": 2,
+ "topk_group": 1}
+JSON
   ;;
 verify)
   dir=$2 ref=$3
@@ -35,8 +54,9 @@ verify)
   status=0
   for r in "$ref"/*/; do
     name=$(basename "$r")
-    src="$dir/$name"
+    src="$dir/$name"  # a folder kda wrote, the embedded model, or one transformers saved in REF
     [ -d "$src" ] || src="models/$name"
+    [ -f "$r/model.safetensors" ] && src="$r"
     mkdir -p "$work/$name"
     cp "$src"/* "$work/$name/" 2>/dev/null || true
     cp -r "$r"/. "$work/$name/"
