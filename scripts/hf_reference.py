@@ -11,7 +11,7 @@ forward, decode and gradients to transformers' reading of the same files.
 The load is strict: a missing, unexpected or mis-shaped tensor is an error, since transformers
 would otherwise fill it with fresh random values and the comparison would fail for the wrong
 reason. Runs on the CPU in fp32 (the fixtures' setting). Needs torch and transformers (the GPU
-machine has both); no numpy, no safetensors package.
+machine has both; numpy comes with them); the safetensors package is not needed.
 """
 
 import argparse
@@ -57,7 +57,10 @@ def load_strict(folder, torch, transformers):
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, output_loading_info=True, attn_implementation="eager"
     )
-    tied = getattr(model, "_tied_weights_keys", None) or []  # a list, or {target: source}
+    # a tied head is not stored; the class names it whether or not this config ties it
+    tied = []
+    if getattr(model.config, "tie_word_embeddings", False):
+        tied = getattr(model, "_tied_weights_keys", None) or []  # a list, or {target: source}
     info["missing_keys"] = [k for k in info.get("missing_keys", []) if k not in tied]
     problems = {k: v for k, v in info.items() if v}
     if problems:
@@ -89,7 +92,9 @@ def reference_for(folder, out_dir, torch, transformers, tokens, new_tokens, seed
     prompt = ids[:, :12]
     model.generation_config.eos_token_id = None
     with torch.no_grad():
-        out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        # an explicit mask: otherwise a prompt token equal to pad_token_id reads as padding
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                             max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     if out.shape[1] != 12 + new_tokens:
         raise SystemExit(f"{folder}: generate() returned {out.shape[1]} tokens, not {12 + new_tokens}")
     plain = greedy_no_cache(model, torch, prompt, 12 + new_tokens)
@@ -159,7 +164,7 @@ def make_random(config_path, out_dir, torch, transformers, seed):
         for name, b in model.named_buffers():
             if "correction_bias" in name:
                 b.copy_(0.1 * torch.randn_like(b))
-    model.save_pretrained(out_dir, safe_serialization=True)
+    model.save_pretrained(out_dir)  # safetensors, transformers 5's only format
     return out_dir
 
 
@@ -172,7 +177,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=96)  # past one 64-token chunk
     ap.add_argument("--new-tokens", type=int, default=20)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--no-grads", nargs="*", default=[], help="folder names to skip gradients for")
+    ap.add_argument("--no-grads", action="append", default=[],
+                    help="a folder name to skip gradients for (repeatable)")
     args = ap.parse_args()
 
     import torch

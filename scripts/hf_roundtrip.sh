@@ -11,6 +11,10 @@
 # the paths the fixtures lack (q_lora_rank, convolution width 3, grouped routing, two shared
 # experts, two MLA layers), and kda reads what transformers saved.
 set -euo pipefail
+# DIR and REF as given from the caller's folder; the commands run from the repository root
+args=()
+for a in "$@"; do case "$a" in prepare | verify) args+=("$a") ;; *) args+=("$(realpath -m "$a")") ;; esac; done
+set -- "${args[@]}"
 cd "$(dirname "$0")/.."
 kda=build/bin/kda
 fixtures=${KDA_SHARED:-../shared}/fixtures/models
@@ -52,13 +56,20 @@ verify)
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
   status=0
-  for r in "$ref"/*/; do
+  shopt -s nullglob
+  refs=("$ref"/*/)
+  [ ${#refs[@]} -gt 0 ] || { echo "no reference folders in $ref" >&2; exit 1; }
+  for r in "${refs[@]}"; do
     name=$(basename "$r")
     src="$dir/$name"  # a folder kda wrote, the embedded model, or one transformers saved in REF
     [ -d "$src" ] || src="models/$name"
     [ -f "$r/model.safetensors" ] && src="$r"
+    [ -f "$src/model.safetensors" ] || { echo "no weights for $name" >&2; status=1; continue; }
     mkdir -p "$work/$name"
-    cp "$src"/* "$work/$name/" 2>/dev/null || true
+    cp "$src/config.json" "$src/model.safetensors" "$work/$name/"
+    for f in vocab.json merges.txt tiktoken.model tokenizer_config.json; do
+      [ -f "$src/$f" ] && cp "$src/$f" "$work/$name/"
+    done
     cp -r "$r"/. "$work/$name/"
     echo "== $name (weights from $src)"
     $kda verify "$work/$name" || status=1

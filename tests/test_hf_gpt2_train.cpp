@@ -131,7 +131,8 @@ TEST(HfGpt2Train, FixtureLossAndEveryGradientMatchTransformers) {
 
   // The backward adds into the gradients (accumulation over micro-batches): from random
   // starting values it must land on start + the same gradient in every element, so an element
-  // it overwrites or never reaches shows (zero starting values, as above, cannot show either).
+  // it overwrites instead of adding to shows (from zero, as above, it cannot; an element it
+  // never writes is the fixture comparison's and the finite differences' to find).
   const auto from_zero = grads_of(*model);
   Random rng(5);
   std::map<std::string, std::vector<float>> start;

@@ -113,7 +113,8 @@ TEST(HfKimiTrain, LossAndEveryGradientMatchTransformers) {
 
   // The backward adds into the gradients (accumulation over micro-batches): from random
   // starting values it must land on start + the same gradient in every element, so an element
-  // it overwrites or never reaches shows (zero starting values, as above, cannot show either);
+  // it overwrites instead of adding to shows (from zero, as above, it cannot; an element it
+  // never writes is the fixture comparison's and the finite differences' to find);
   // a tensor without a gradient (the router's correction bias) keeps its start bit for bit.
   std::map<std::string, std::vector<float>> from_zero, start;
   Random rng(5);
