@@ -358,6 +358,53 @@ TEST(Tasks, StackAndPalindromeTargetsAreRecoverable) {
   }
 }
 
+// What the examples hold, replayed from the inputs alone: a palindrome's second half is its
+// first reversed (every mirrored token scored, nothing else); a stack's pops (token 1) are each
+// scored with the token on top of the stack that the pushes so far built, which the next input
+// then reveals.
+TEST(Tasks, PalindromeAndStackExamplesHoldWhatTheTasksSay) {
+  for (const int64_t T : {40, 41, 256}) {
+    const train::Batch pal = train::TaskStream({train::Task::palindrome, 50, T, 0}, 3, 0).next(8);
+    for (int64_t b = 0; b < pal.B; ++b) {
+      const int32_t* in = pal.inputs.data() + b * T;
+      const int32_t* tg = pal.targets.data() + b * T;
+      const int64_t n = T / 2;  // the separator's position
+      ASSERT_EQ(in[n], 1) << "T " << T << " row " << b;
+      for (int64_t t = 0; t < n; ++t) EXPECT_GE(in[t], 2) << t;
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t i = t - n;  // target t predicts the token after position t
+        const bool mirrored = i >= 0 && i < n;
+        EXPECT_EQ(tg[t], mirrored ? in[n - 1 - i] : -1) << "T " << T << " row " << b << " t " << t;
+      }
+    }
+    const train::Batch st = train::TaskStream({train::Task::stack, 50, T, 0}, 4, 0).next(8);
+    int64_t pops = 0;
+    for (int64_t b = 0; b < st.B; ++b) {
+      const int32_t* in = st.inputs.data() + b * T;
+      const int32_t* tg = st.targets.data() + b * T;
+      std::vector<int32_t> stack;
+      for (int64_t t = 0; t < T; ++t) {
+        if (in[t] == 1) {  // a pop: scored with the top, which the next input reveals
+          ASSERT_FALSE(stack.empty()) << "pop of an empty stack at " << t;
+          EXPECT_EQ(tg[t], stack.back()) << "row " << b << " t " << t;
+          if (t + 1 < T) {
+            EXPECT_EQ(in[t + 1], stack.back());
+            EXPECT_EQ(tg[t + 1], -1);
+          }
+          stack.pop_back();
+          ++pops;
+          ++t;
+        } else {
+          EXPECT_GE(in[t], 2);
+          EXPECT_EQ(tg[t], -1) << "a push is not scored, row " << b << " t " << t;
+          stack.push_back(in[t]);
+        }
+      }
+    }
+    EXPECT_GT(pops, 8 * T / 8);
+  }
+}
+
 TEST(Tasks, TrainStreamNeverYieldsTestExamples) {
   train::TaskSpec spec{train::Task::palindrome, 4, 8, 0};  // 16 possible examples: collisions
   const train::TestSet test = train::make_test_set(spec, 9, 30);
