@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -355,6 +356,20 @@ TEST(Gpt2Load, OptionalTensorsAndUntiedHead) {
     EXPECT_EQ(relative_error(lm->forward(ids).span_f32(), want.span_f32()), 0.0);
     EXPECT_EQ(lm->info().total_params, 180480 + 64000);
     EXPECT_EQ(lm->weight_bytes(), (180480 + 64000) * 4);
+    // a head of wte's rows in reverse order: the same logits with the vocabulary reversed (a
+    // loader that read wte as the head would give the tied logits unchanged)
+    Tensor reversed = tensors.at("transformer.wte.weight").to(DType::f32);
+    const int64_t V = reversed.shape()[0], E = reversed.shape()[1];
+    for (int64_t v = 0; v < V / 2; ++v)
+      std::swap_ranges(reversed.f32() + v * E, reversed.f32() + (v + 1) * E,
+                       reversed.f32() + (V - 1 - v) * E);
+    tensors["lm_head.weight"] = reversed;
+    write_folder(dir.str(), config, tensors);
+    const Tensor got = model::load_causal_lm(dir.str())->forward(ids);
+    std::vector<float> want_reversed(want.span_f32().begin(), want.span_f32().end());
+    for (size_t r = 0; r < want_reversed.size() / size_t(V); ++r)
+      std::reverse(want_reversed.begin() + r * V, want_reversed.begin() + (r + 1) * V);
+    EXPECT_LE(relative_error(got.span_f32(), want_reversed), 1e-6);  // GEMM blocking differs
   }
 }
 
