@@ -500,6 +500,54 @@ TEST(Gpt2Sampling, TopKAndTopPKeepTheRightSet) {
   EXPECT_NEAR(counts[3] / double(draws), 0.2 / 0.9, 0.015);
 }
 
+// Every candidate's probability against a float64 softmax written here, at temperatures other
+// than 1 and with top-k / top-p cuts (the set tests above run at temperature 1, where dividing
+// and multiplying by it agree); and the draws at temperature 0.5 follow that distribution.
+TEST(Gpt2Sampling, ProbabilitiesFollowTheTemperatureAndTheCuts) {
+  Random rng(13);
+  const std::vector<float> logits = random_logits(rng, 50);
+  struct Case {
+    float temperature;
+    int64_t top_k;
+    float top_p;
+  };
+  for (const Case c : {Case{0.5f, 0, 1.0f}, Case{2.0f, 0, 1.0f}, Case{0.7f, 5, 1.0f},
+                       Case{1.3f, 0, 0.6f}, Case{0.8f, 10, 0.5f}}) {
+    // float64: softmax(logits / T) over every id, most likely first, then the cuts
+    std::vector<std::pair<double, int32_t>> p;
+    double z = 0;
+    for (size_t i = 0; i < logits.size(); ++i) z += std::exp(double(logits[i]) / c.temperature);
+    for (size_t i = 0; i < logits.size(); ++i)
+      p.push_back({std::exp(double(logits[i]) / c.temperature) / z, int32_t(i)});
+    std::sort(p.begin(), p.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    if (c.top_k > 0) p.resize(size_t(c.top_k));
+    double kept = 0, cut = 0;
+    for (const auto& [prob, id] : p) kept += prob;
+    size_t n = 0;
+    while (n < p.size() && cut < c.top_p * kept) cut += p[n++].first;
+    p.resize(n);
+    const auto got = runtime::candidates(
+        logits, {.temperature = c.temperature, .top_k = c.top_k, .top_p = c.top_p});
+    ASSERT_EQ(got.size(), p.size()) << "T " << c.temperature << " k " << c.top_k;
+    for (size_t i = 0; i < p.size(); ++i) {
+      EXPECT_EQ(got[i].first, p[i].second) << i;
+      EXPECT_NEAR(got[i].second, p[i].first / cut, 1e-6)
+          << "T " << c.temperature << " id " << p[i].second;
+    }
+  }
+  // draws at temperature 0.5 over four tokens: probabilities 0.4^2, 0.3^2, ... renormalised
+  const std::vector<float> four = {std::log(0.3f), std::log(0.1f), std::log(0.4f), std::log(0.2f)};
+  const double z = 0.09 + 0.01 + 0.16 + 0.04;
+  runtime::Sampler sampler({.temperature = 0.5f, .seed = 5});
+  std::vector<int> counts(4, 0);
+  const int draws = 40000;
+  for (int i = 0; i < draws; ++i) ++counts[size_t(sampler.sample(four))];
+  EXPECT_NEAR(counts[2] / double(draws), 0.16 / z, 0.01);
+  EXPECT_NEAR(counts[0] / double(draws), 0.09 / z, 0.01);
+  EXPECT_NEAR(counts[3] / double(draws), 0.04 / z, 0.01);
+  EXPECT_NEAR(counts[1] / double(draws), 0.01 / z, 0.005);
+}
+
 TEST(Gpt2Sampling, BadSettingsThrow) {
   EXPECT_THROW(runtime::Sampler({.temperature = -1}), Error);
   EXPECT_THROW(runtime::Sampler({.temperature = NAN}), Error);
