@@ -16,6 +16,9 @@
 #include <utility>
 #include <vector>
 
+#include "core/dtype.h"
+#include "core/safetensors.h"
+#include "core/tensor.h"
 #include "scratch_dir.h"
 
 namespace {
@@ -135,6 +138,20 @@ TEST(CliTrain, KimiLinearRunResumesExactlyAndExportsARunnableModel) {
   ASSERT_EQ(run("export " + a.string() + " " + e.string()), 0);
   EXPECT_LT(fs::file_size(e / "model.safetensors"),
             fs::file_size(a / "model.safetensors") * 6 / 10);
+  {  // every tensor of the run under its name and shape, stored as the bf16 rounding of its value
+    const kda::SafetensorsFile run_file = kda::SafetensorsFile::open(a / "model.safetensors");
+    const kda::SafetensorsFile exported = kda::SafetensorsFile::open(e / "model.safetensors");
+    ASSERT_EQ(exported.names(), run_file.names());
+    for (const std::string& name : run_file.names()) {
+      const kda::Tensor want = run_file.load(name, kda::DType::f32);
+      const kda::TensorView got = exported.view(name);
+      ASSERT_EQ(got.dtype, kda::DType::bf16) << name;
+      ASSERT_EQ(got.shape, want.shape()) << name;
+      const uint16_t* bits = got.as<uint16_t>();
+      for (int64_t i = 0; i < want.numel(); ++i)
+        ASSERT_EQ(bits[i], kda::f32_to_bf16(want.f32()[i])) << name << " element " << i;
+    }
+  }
   EXPECT_EQ(run("run -m " + e.string() + " --ids 1,2,3 -n 4"), 0);
   EXPECT_NE(run("export " + a.string() + " " + e.string()), 0);  // never overwrites
   // starting from a folder's weights
