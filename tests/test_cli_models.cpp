@@ -8,11 +8,15 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "core/tensor.h"
+#include "model/causal_lm.h"
 #include "run_command.h"
+#include "runtime/sampling.h"
 #include "tokenizer/gpt2_tokenizer.h"
 
 namespace kda {
@@ -60,10 +64,32 @@ TEST(CliModels, RunWithIdsPrintsTheGeneratedIds) {
   EXPECT_NE(again.output.find("decode: 4 tokens"), std::string::npos) << again.output;
   EXPECT_NE(again.output.find("MLA/KV cache"), std::string::npos) << again.output;
 
-  // Sampling with a seed is reproducible; --ctx bounds prompt + generation.
+  // The ids are the model's: a plain loop over the loaded model (prompt, then one token at a
+  // time through a session) with the same settings gives them, greedy and sampled.
+  const auto expected = [&](std::vector<int32_t> prompt, int n, runtime::SamplingParams params) {
+    const auto lm = model::load_causal_lm(kFixture);
+    const auto session = lm->start_session(int64_t(prompt.size()) + n);
+    runtime::Sampler sampler(params);
+    std::string out;
+    Tensor last = session->feed_last(prompt);
+    for (int i = 0; i < n; ++i) {
+      const int32_t next = sampler.sample(last.span_f32());
+      out += (i ? " " : "") + std::to_string(next);
+      if (i + 1 < n) last = session->feed_last(std::span<const int32_t>(&next, 1));
+    }
+    return out;
+  };
+  EXPECT_EQ(lines[0], expected({1, 2, 3}, 5, {}));
+
+  // Sampling with a seed is reproducible, and is the model's distribution drawn with that seed;
+  // --ctx bounds prompt + generation.
   const std::string sampled =
       "run -m '" + kFixture + "' --ids 4,5 -n 8 --temp 1 --top-p 0.9 --seed 3";
   EXPECT_EQ(run_kda(sampled, false).output, run_kda(sampled, false).output);
+  EXPECT_EQ(lines_of(run_kda(sampled, false).output).at(0),
+            expected({4, 5}, 8, {.temperature = 1, .top_p = 0.9f, .seed = 3}));
+  EXPECT_NE(lines_of(run_kda(sampled, false).output).at(0),
+            expected({4, 5}, 8, {.temperature = 1, .top_p = 0.9f, .seed = 4}));
   const Result bounded = run_kda("run -m '" + kFixture + "' --ids 1,2,3 -n 50 --ctx 6");
   EXPECT_EQ(bounded.status, 0) << bounded.output;
   std::istringstream first(lines_of(bounded.output).at(0));
