@@ -54,19 +54,25 @@ const Loaded& loaded() {
   return l;
 }
 
-// The greedy continuation by a plain session loop: what every server path must reproduce.
-std::vector<int32_t> greedy_ids(const std::vector<int32_t>& prompt, int64_t n) {
+// The continuation by a plain session loop, greedy or drawn by a seeded sampler: what every
+// server path must reproduce.
+std::vector<int32_t> sampled_ids(const std::vector<int32_t>& prompt, int64_t n,
+                                 const runtime::SamplingParams& params) {
   const auto session = loaded().lm->start_session();
   Tensor last = session->feed_last(prompt);
   const std::vector<int32_t> stops = loaded().tok->stop_ids();
+  runtime::Sampler sampler(params);
   std::vector<int32_t> out;
   for (int64_t i = 0; i < n; ++i) {
-    const int32_t next = runtime::argmax(last.span_f32());
+    const int32_t next = sampler.sample(last.span_f32());
     if (std::find(stops.begin(), stops.end(), next) != stops.end()) break;  // as the server ends
     out.push_back(next);
     last = session->feed_last(std::span<const int32_t>(&next, 1));
   }
   return out;
+}
+std::vector<int32_t> greedy_ids(const std::vector<int32_t>& prompt, int64_t n) {
+  return sampled_ids(prompt, n, {});
 }
 
 std::vector<int32_t> encode(const std::string& text) {
@@ -539,6 +545,12 @@ TEST_F(ServerHttp, SeededSamplingRepeatsAndStopsApply) {
   const json a = post("/v1/completions", body), b = post("/v1/completions", body);
   EXPECT_EQ(a["choices"][0]["text"], b["choices"][0]["text"]);
   const std::string text = a["choices"][0]["text"];
+  // the model's distribution at those settings, drawn with that seed (so none is dropped)
+  const runtime::SamplingParams params{.temperature = 0.9f, .top_k = 40, .top_p = 0.95f, .seed = 7};
+  EXPECT_EQ(text, loaded().tok->decode(sampled_ids(encode("The man"), 16, params)));
+  json other_seed = body;
+  other_seed["seed"] = 8;
+  EXPECT_NE(post("/v1/completions", other_seed)["choices"][0]["text"], text);
   ASSERT_GT(text.size(), 8u);
   json stopped = body;
   stopped["stop"] = json::array({text.substr(4, 3)});
