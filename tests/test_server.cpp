@@ -236,6 +236,16 @@ TEST(ServerPrefixCache, ContinuesFromSnapshotsWithTheSameAnswers) {
   EXPECT_EQ(run_all(turn), uncached(next_turn));
   EXPECT_EQ(turn.cached_tokens(), int64_t(p.size()) + 7);
 
+  // a prompt that shares the first words and then turns, and one that is a strict prefix of
+  // every entry: no snapshot begins either, so both prefill from the start
+  for (const std::string& text :
+       {std::string("The jury said that the men"), std::string("The jury")}) {
+    const std::vector<int32_t> near = encode(text);
+    Generation g(*loaded().lm, *loaded().tok, request(near), 0, limit(0), &cache);
+    EXPECT_EQ(run_all(g), uncached(near)) << text;
+    EXPECT_EQ(g.cached_tokens(), 0) << text;
+  }
+
   // unrelated prompts miss; the least recently used entries go first
   Generation miss(*loaded().lm, *loaded().tok, request(encode("A man")), 0, limit(0), &cache);
   run_all(miss);
