@@ -73,6 +73,18 @@ LayerProblem random_layer(uint64_t seed, DeltaRuleShape shape, ops::KdaOptions o
   return p;
 }
 
+// The problem's inputs in double, by name (for the float64 reference and finite differences).
+std::map<std::string, std::vector<double>> inputs_in_double(const LayerProblem& p) {
+  return {{"q", testing::to_double(p.q)},
+          {"k", testing::to_double(p.k)},
+          {"v", testing::to_double(p.v)},
+          {"graw", testing::to_double(p.graw)},
+          {"braw", testing::to_double(p.braw)},
+          {"A_log", testing::to_double(p.A_log)},
+          {"dt_bias", testing::to_double(p.dt_bias)},
+          {"h0", testing::to_double(p.h0)}};
+}
+
 double layer_loss(const LayerProblem& p, const std::map<std::string, std::vector<double>>& x,
                   const std::vector<double>& d_o, const std::vector<double>& d_ht) {
   auto ptr = [&](const char* n) { return x.at(n).data(); };
@@ -126,14 +138,7 @@ TEST(KdaLayer, GradientsOfEveryInputMatchFiniteDifferences) {
         {grads["q"].data(), grads["k"].data(), grads["v"].data(), grads["graw"].data(),
          grads["braw"].data(), grads["A_log"].data(), grads["dt_bias"].data(), grads["h0"].data()},
         4);
-    std::map<std::string, std::vector<double>> x = {{"q", testing::to_double(p.q)},
-                                                    {"k", testing::to_double(p.k)},
-                                                    {"v", testing::to_double(p.v)},
-                                                    {"graw", testing::to_double(p.graw)},
-                                                    {"braw", testing::to_double(p.braw)},
-                                                    {"A_log", testing::to_double(p.A_log)},
-                                                    {"dt_bias", testing::to_double(p.dt_bias)},
-                                                    {"h0", testing::to_double(p.h0)}};
+    std::map<std::string, std::vector<double>> x = inputs_in_double(p);
     const auto d_o64 = testing::to_double(d_o), d_ht64 = testing::to_double(d_ht);
     for (auto& [name, values] : x) {
       std::vector<double> fd(values.size());
@@ -210,14 +215,7 @@ TEST(KdaLayer, ChunkedRecurrentAndDecodeAgreeWithReference) {
       independent_reference(p, o_ref, ht_ref);
 
       // the op's own float64 reference agrees with the one written out above
-      std::map<std::string, std::vector<double>> x = {{"q", testing::to_double(p.q)},
-                                                      {"k", testing::to_double(p.k)},
-                                                      {"v", testing::to_double(p.v)},
-                                                      {"graw", testing::to_double(p.graw)},
-                                                      {"braw", testing::to_double(p.braw)},
-                                                      {"A_log", testing::to_double(p.A_log)},
-                                                      {"dt_bias", testing::to_double(p.dt_bias)},
-                                                      {"h0", testing::to_double(p.h0)}};
+      const std::map<std::string, std::vector<double>> x = inputs_in_double(p);
       auto ptr = [&](const char* n) { return x.at(n).data(); };
       std::vector<double> o64(o_ref.size(), NAN), ht64(ht_ref.size(), NAN);
       ops::kda_reference({shape,
