@@ -85,10 +85,10 @@ std::map<std::string, std::vector<double>> inputs_in_double(const LayerProblem& 
           {"h0", testing::to_double(p.h0)}};
 }
 
-double layer_loss(const LayerProblem& p, const std::map<std::string, std::vector<double>>& x,
-                  const std::vector<double>& d_o, const std::vector<double>& d_ht) {
+// ops::kda_reference on inputs in double (x, by name) with p's shape and options.
+void run_kda_reference(const LayerProblem& p, const std::map<std::string, std::vector<double>>& x,
+                       double* o, double* ht) {
   auto ptr = [&](const char* n) { return x.at(n).data(); };
-  std::vector<double> o(d_o.size()), ht(d_ht.size());
   ops::kda_reference({p.shape,
                       p.options,
                       ptr("q"),
@@ -100,7 +100,13 @@ double layer_loss(const LayerProblem& p, const std::map<std::string, std::vector
                       ptr("dt_bias"),
                       ptr("h0"),
                       {}},
-                     o.data(), ht.data());
+                     o, ht);
+}
+
+double layer_loss(const LayerProblem& p, const std::map<std::string, std::vector<double>>& x,
+                  const std::vector<double>& d_o, const std::vector<double>& d_ht) {
+  std::vector<double> o(d_o.size()), ht(d_ht.size());
+  run_kda_reference(p, x, o.data(), ht.data());
   double l = 0;
   for (size_t i = 0; i < o.size(); ++i) l += o[i] * d_o[i];
   for (size_t i = 0; i < ht.size(); ++i) l += ht[i] * d_ht[i];
@@ -216,20 +222,8 @@ TEST(KdaLayer, ChunkedRecurrentAndDecodeAgreeWithReference) {
 
       // the op's own float64 reference agrees with the one written out above
       const std::map<std::string, std::vector<double>> x = inputs_in_double(p);
-      auto ptr = [&](const char* n) { return x.at(n).data(); };
       std::vector<double> o64(o_ref.size(), NAN), ht64(ht_ref.size(), NAN);
-      ops::kda_reference({shape,
-                          options,
-                          ptr("q"),
-                          ptr("k"),
-                          ptr("v"),
-                          ptr("graw"),
-                          ptr("braw"),
-                          ptr("A_log"),
-                          ptr("dt_bias"),
-                          ptr("h0"),
-                          {}},
-                         o64.data(), ht64.data());
+      run_kda_reference(p, x, o64.data(), ht64.data());
       EXPECT_LE(rel_error(o64, o_ref), 1e-12) << what;
       EXPECT_LE(rel_error(ht64, ht_ref), 1e-12) << what;
 
