@@ -257,6 +257,36 @@ TEST(ServerPrefixCache, ContinuesFromSnapshotsWithTheSameAnswers) {
   EXPECT_EQ(none.size(), 0);
 }
 
+// Full, the cache drops its least recently used entry: a lookup counts as a use, a store of
+// held ids only refreshes them.
+TEST(ServerPrefixCache, EvictsTheLeastRecentlyUsed) {
+  PrefixCache cache(2);
+  auto store = [&](const std::string& text) {
+    const std::vector<int32_t> ids = encode(text);
+    const auto session = loaded().lm->start_session();
+    const Tensor last = session->feed_last(ids);
+    cache.store(ids, *session, last);
+  };
+  auto hit_tokens = [&](const std::string& text) {
+    const std::vector<int32_t> ids = encode(text);
+    return std::pair{cache.lookup(ids).tokens, int64_t(ids.size())};
+  };
+  store("The jury said");
+  store("It was");
+  const auto [jury, jury_size] = hit_tokens("The jury said");  // the older entry, used now
+  EXPECT_EQ(jury, jury_size);
+  store("In the morning");  // full: drops "It was", not the older but just used "The jury said"
+  EXPECT_EQ(cache.size(), 2);
+  EXPECT_EQ(hit_tokens("It was").first, 0);
+  // a store of held ids refreshes them: "In the morning" is now the least recently used
+  store("The jury said");
+  store("It was");
+  EXPECT_EQ(cache.size(), 2);
+  EXPECT_EQ(hit_tokens("In the morning").first, 0);
+  EXPECT_EQ(hit_tokens("The jury said").first, jury_size);
+  EXPECT_EQ(hit_tokens("It was").first, int64_t(encode("It was").size()));
+}
+
 TEST(ServerScheduler, InterleavedRequestsEqualOneAtATime) {
   const std::vector<std::string> prompts = {
       "The jury said that the city", "It was", "In the morning", "The man",
