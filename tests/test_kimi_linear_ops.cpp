@@ -334,13 +334,23 @@ TEST(KimiLinearLatentCache, PagesLimitsAndRecycling) {
   EXPECT_EQ(b.length(), 4);
   a.append(rows.data() + 9 * 3, 1);  // fits in a's last page
   EXPECT_EQ(a.length(), 10);
+  gathered = poisoned(10 * 3);
+  a.gather(gathered.data());
+  EXPECT_EQ(rel_error(gathered.data(), rows.data(), 30), 0.0);
 
-  // Clearing returns the pages; they are reused rather than allocated again.
+  // Clearing returns the pages; they are reused rather than allocated again, and b reads back
+  // its own rows from them, not a's stale ones.
   a.clear();
   EXPECT_EQ(pool->pages_in_use(), 1);
-  b.append(rows.data(), 8);
+  const std::vector<float> more = random_vector(rng, 8 * 3);
+  b.append(more.data(), 8);
   EXPECT_EQ(pool->pages_in_use(), 3);
   EXPECT_EQ(pool->pages_allocated(), 4);
+  std::vector<float> b_rows(rows.begin(), rows.begin() + 4 * 3);
+  b_rows.insert(b_rows.end(), more.begin(), more.end());
+  gathered = poisoned(12 * 3);
+  b.gather(gathered.data());
+  EXPECT_EQ(rel_error(gathered.data(), b_rows.data(), 36), 0.0);
   {
     runtime::LatentCache moved = std::move(b);
     EXPECT_EQ(moved.length(), 12);
