@@ -115,6 +115,47 @@ TEST(CliTrain, CtrlCSavesACheckpointThatResumes) {
 namespace {
 
 const std::string kKimiTiny = std::string(KDA_SHARED_DIR) + "/fixtures/models/kimi_linear_tiny";
+// Two micro-batches of 2 make the step of one batch of 4 (the same examples, in order): on
+// Stack, whose rows score different numbers of tokens, as on MQAR. The losses, gradient norms
+// and weights after two steps agree to fp32 rounding.
+TEST(CliTrain, GradientAccumulationEqualsOneBatch) {
+  const kda::testing::ScratchDir scratch;
+  for (const char* task : {"stack", "mqar"}) {
+    const std::string args = std::string(" --pattern KA --width 32 --heads 2 --head-dim 16") +
+                             " --mlp 64 --vocab 64 --seq-len 32 --lr 3e-3 --seed 5 --steps 2" +
+                             " --eval-every 0 --task " + task;
+    const fs::path one = scratch.file(std::string(task) + "_one"),
+                   two = scratch.file(std::string(task) + "_two");
+    ASSERT_EQ(run("train --out " + one.string() + " --batch 4" + args), 0);
+    ASSERT_EQ(run("train --out " + two.string() + " --batch 2 --grad-accum 2" + args), 0);
+    const auto a = lines(one / "log.jsonl"), b = lines(two / "log.jsonl");
+    ASSERT_EQ(a.size(), 2u);
+    ASSERT_EQ(b.size(), 2u);
+    auto field = [](const std::string& line, const std::string& key) {
+      const auto at = line.find("\"" + key + "\":");
+      EXPECT_NE(at, std::string::npos) << key << " in " << line;
+      return at == std::string::npos ? NAN
+                                     : std::strtod(line.c_str() + at + key.size() + 3, nullptr);
+    };
+    for (size_t i = 0; i < a.size(); ++i)
+      for (const char* key : {"loss", "grad_norm"}) {
+        const double x = field(a[i], key), y = field(b[i], key);
+        EXPECT_LE(std::abs(x - y), 1e-5 * std::abs(x)) << task << " step " << i + 1 << " " << key;
+      }
+    const kda::SafetensorsFile wa = kda::SafetensorsFile::open(one / "model.safetensors");
+    const kda::SafetensorsFile wb = kda::SafetensorsFile::open(two / "model.safetensors");
+    double num = 0, den = 0;
+    for (const std::string& name : wa.names()) {
+      const kda::Tensor x = wa.load(name), y = wb.load(name);
+      for (int64_t i = 0; i < x.numel(); ++i) {
+        num += (double(x.f32()[i]) - y.f32()[i]) * (double(x.f32()[i]) - y.f32()[i]);
+        den += double(x.f32()[i]) * x.f32()[i];
+      }
+    }
+    EXPECT_LE(std::sqrt(num / den), 1e-6) << task << " weights after two steps";
+  }
+}
+
 const std::string kKimiArgs = " --task mqar --vocab 64 --seq-len 32 --batch 2 --lr 3e-3 --seed 7";
 
 // A Kimi Linear run (KDA, MLA, MoE with its balancing bias) resumes bit for bit, and its

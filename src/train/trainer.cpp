@@ -251,6 +251,42 @@ void Trainer::save() const {
   write_file_atomic((dir / "trainer_state.json").string(), state.dump(2) + "\n");
 }
 
+double Trainer::accumulate_gradients() {
+  // The micro-batches of one step, drawn first: their scored tokens decide their weights.
+  std::vector<TextBatch> micro(size_t(settings_.grad_accum));
+  std::vector<int64_t> scored(micro.size(), 0);
+  int64_t total = 0;
+  for (size_t i = 0; i < micro.size(); ++i) {
+    if (text_stream_) {
+      micro[i] = text_stream_->next(settings_.batch);
+    } else {
+      Batch b = batches_->next();
+      micro[i] = {b.B, b.T, std::move(b.inputs), std::move(b.targets), {}};
+    }
+    for (const int32_t t : micro[i].targets) scored[i] += t >= 0;
+    total += scored[i];
+  }
+  // One step over them equals one batch of all of them: each micro-batch's mean-loss gradient
+  // weighted by its share of the scored tokens (Stack and text score a varying number a row;
+  // equal weights would tilt the step toward the sparse micro-batches). The backward adds into
+  // the gradients, so the sum so far is rescaled before each addition (to the next weight's
+  // units) and once at the end.
+  double loss = 0, previous = 0;
+  for (size_t i = 0; i < micro.size(); ++i) {
+    if (total > 0 && scored[i] == 0) continue;  // nothing scored: adds nothing
+    const double w = total > 0 ? double(scored[i]) / double(total) : 1.0 / double(micro.size());
+    if (previous > 0 && previous != w) model_->scale_grads(float(previous / w));
+    const TextBatch& b = micro[i];
+    loss +=
+        w *
+        model_->forward_backward(b.inputs.data(), b.targets.data(), b.B, b.T, true, b.cu_seqlens)
+            .loss;
+    previous = w;
+  }
+  if (previous > 0 && previous != 1.0) model_->scale_grads(float(previous));
+  return loss;
+}
+
 void Trainer::run(int64_t stop_after, const std::atomic<bool>* interrupt,
                   const std::function<void(const StepLog&)>& on_step) {
   std::ofstream log(fs::path(dir_) / "log.jsonl", std::ios::app);
@@ -259,23 +295,7 @@ void Trainer::run(int64_t stop_after, const std::atomic<bool>* interrupt,
   while (step_ < end && !(interrupt && interrupt->load())) {
     Stopwatch clock;
     model_->zero_grad();
-    double loss = 0;
-    for (int64_t micro = 0; micro < settings_.grad_accum; ++micro) {
-      if (text_stream_) {
-        const TextBatch b = text_stream_->next(settings_.batch);
-        loss +=
-            model_
-                ->forward_backward(b.inputs.data(), b.targets.data(), b.B, b.T, true, b.cu_seqlens)
-                .loss;
-      } else {
-        const Batch b = batches_->next();
-        loss += model_->forward_backward(b.inputs.data(), b.targets.data(), b.B, b.T, true).loss;
-      }
-    }
-    if (settings_.grad_accum > 1) {
-      model_->scale_grads(1.0f / float(settings_.grad_accum));
-      loss /= double(settings_.grad_accum);
-    }
+    const double loss = accumulate_gradients();
     StepLog entry;
     entry.step = step_ + 1;
     entry.lr = optimizer_->lr_at(step_);

@@ -106,6 +106,9 @@ class Trainer {
   Trainer() = default;
   void start(bool resuming = false);
   uint64_t data_position() const;
+  // Draws the step's micro-batches and adds their gradients, weighted by scored tokens, into
+  // the zeroed gradients; returns the loss over all their scored tokens.
+  double accumulate_gradients();
   void log_evaluation(std::ostream& log, const Evaluation& e) const;
   TrainSettings settings_;
   std::string dir_;
