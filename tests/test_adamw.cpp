@@ -5,10 +5,14 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "core/random.h"
 #include "train/adamw.h"
+#include "train/hf_gpt2.h"
+#include "train/hf_kimi_linear.h"
+#include "train/lineage_model.h"
 
 namespace kda {
 namespace {
@@ -125,6 +129,31 @@ TEST(AdamW, DecayOnlyWhereMarked) {
   for (int64_t j = 0; j < 4; ++j) {
     EXPECT_EQ(params[0].value.f32()[j], 2.0f * (1.0f - 0.5f * 0.1f));
     EXPECT_EQ(params[1].value.f32()[j], 2.0f);
+  }
+}
+
+// Which parameters decay, by name, in every model the trainer builds: the matrices (embeddings
+// and heads too, as llm.c and nanoGPT); never norms, biases, the short convolutions, the gates'
+// A_log / dt_bias or the router's selection bias.
+TEST(AdamW, NoDecayOnNormsBiasesConvolutionsAndGates) {
+  const std::string shared = std::string(KDA_SHARED_DIR) + "/fixtures/models/";
+  train::LineageModel lineage({32, 16, 2, 8, 24, "KAGDLM"}, 3);
+  const auto kimi = train::KimiLinearTrainable::from_folder(shared + "kimi_linear_tiny");
+  const auto gpt2 = train::Gpt2Trainable::from_folder(shared + "gpt2_tiny");
+  for (const std::vector<Param*>& params : {lineage.params(), kimi->params(), gpt2->params()}) {
+    int decayed = 0, kept = 0;
+    for (const Param* p : params) {
+      const std::string& n = p->name;
+      const bool exempt =
+          n.find("norm") != std::string::npos || n.find("ln_") != std::string::npos ||
+          n.find("bias") != std::string::npos || n.find("conv") != std::string::npos ||
+          n.find("A_log") != std::string::npos;
+      EXPECT_EQ(p->decay, !exempt) << n;
+      EXPECT_EQ(p->decay, p->value.shape().size() == 2) << n << ": decay is for matrices";
+      (p->decay ? decayed : kept)++;
+    }
+    EXPECT_GT(decayed, 0);
+    EXPECT_GT(kept, 0);
   }
 }
 
