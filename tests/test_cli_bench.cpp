@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -191,6 +192,66 @@ TEST(CliBench, RecallSeedsAverageAndListEveryRun) {
     EXPECT_NE(md.find(row), std::string::npos) << row << "\n" << md;
   }
   EXPECT_EQ(run("bench recall --quick --seeds 0").status, 1);
+}
+
+// The table's choices from a runs file written here (--no-train reports it as it is): the best
+// learning rate is the one with the best mean over seeds (here the middle one, while another has
+// the best single seed), ties go to the first rate listed, and --sweep-below A asks for a
+// cell's other rates only where the first rate's mean is below A (a mean of exactly A is not).
+TEST(CliBench, RecallBestRateAndSweepFromAWrittenRunsFile) {
+  const kda::testing::ScratchDir scratch;
+  const std::filesystem::path out(scratch.str());
+  const std::string grid = "bench recall --quick --steps 2 --lengths 16 --mixers delta --seeds 2";
+  ASSERT_EQ(
+      run(grid + " --tasks mqar --lrs 1e-3 --seeds 1 --out " + (out / "real").string()).status, 0);
+  const nlohmann::json real = read_runs(out / "real" / "recall_runs.jsonl").at(0);
+  std::string lines;
+  auto add = [&](const char* task, double lr, int64_t seed, double accuracy) {
+    nlohmann::json j = real;
+    j["task"] = task, j["lr"] = float(lr), j["seed"] = seed, j["accuracy"] = accuracy;
+    lines += j.dump() + "\n";
+  };
+  // mqar: means 0.50 / 0.65 / 0.50 at 1e-3 / 3e-3 / 5e-4; the best single seed is 5e-4's 0.90
+  add("mqar", 1e-3, 17, 0.50), add("mqar", 1e-3, 18, 0.50);
+  add("mqar", 3e-3, 17, 0.70), add("mqar", 3e-3, 18, 0.60);
+  add("mqar", 5e-4, 17, 0.90), add("mqar", 5e-4, 18, 0.10);
+  // stack: a tie between the first and the last rate (0.40); palindrome: the first rate's mean
+  // is exactly 0.5 (no sweep), stack's 0.40 (sweep: 3e-3's runs are missing)
+  add("stack", 1e-3, 17, 0.30), add("stack", 1e-3, 18, 0.50);
+  add("stack", 5e-4, 17, 0.40), add("stack", 5e-4, 18, 0.40);
+  add("palindrome", 1e-3, 17, 0.25), add("palindrome", 1e-3, 18, 0.75);
+  std::filesystem::create_directories(out / "written");
+  std::ofstream(out / "written" / "recall_runs.jsonl") << lines;
+  const CommandResult r =
+      run(grid +
+          " --tasks mqar,palindrome,stack --lrs 1e-3,3e-3,5e-4 --no-train --sweep-below 0.5"
+          " --continue --out " +
+          (out / "written").string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  std::map<std::string, nlohmann::json> cell;
+  for (const auto& c : nlohmann::json::parse(slurp(out / "written" / "recall.json")))
+    cell[c["task"].get<std::string>()] = c;
+  ASSERT_EQ(cell.size(), 3u) << r.output;
+  EXPECT_NEAR(cell["mqar"]["accuracy"].get<double>(), 0.65, 1e-12);
+  EXPECT_NEAR(cell["mqar"]["lr"].get<double>(), 3e-3, 1e-9);
+  EXPECT_EQ(cell["mqar"]["seeds"].get<std::vector<double>>(), (std::vector<double>{0.70, 0.60}));
+  EXPECT_EQ(cell["mqar"]["accuracy_min"].get<double>(), 0.60);
+  EXPECT_EQ(cell["mqar"]["accuracy_max"].get<double>(), 0.70);
+  EXPECT_NEAR(cell["stack"]["accuracy"].get<double>(), 0.40, 1e-12);
+  EXPECT_NEAR(cell["stack"]["lr"].get<double>(), 1e-3, 1e-9);  // the tie: the first rate listed
+  EXPECT_NEAR(cell["palindrome"]["accuracy"].get<double>(), 0.50, 1e-12);
+  // what is still missing: stack's 3e-3 (both seeds); nothing of palindrome (at 0.5 exactly)
+  // nor of mqar (every rate there)
+  std::vector<std::string> missing;
+  std::istringstream in(r.output);
+  for (std::string line; std::getline(in, line);)
+    if (line.find("missing") != std::string::npos && line.find("T=") != std::string::npos)
+      missing.push_back(line);
+  ASSERT_EQ(missing.size(), 2u) << r.output;
+  for (const std::string& line : missing) {
+    EXPECT_NE(line.find("stack"), std::string::npos) << line;
+    EXPECT_NE(line.find("lr 3e-03"), std::string::npos) << line;
+  }
 }
 
 // --continue: a second call with the same settings reuses every finished run (trains none and
