@@ -254,6 +254,69 @@ TEST(CliBench, RecallBestRateAndSweepFromAWrittenRunsFile) {
   }
 }
 
+// --continue matches a run by mixer, task, length, rate and seed, not by its place in the file
+// (the lines reversed, one taken out: exactly that one is missing, and every rate's mean is its
+// own runs'), and only under the same settings: a change to any of them reuses nothing.
+TEST(CliBench, RecallContinueMatchesRunsByTheirKeysAndSettings) {
+  const kda::testing::ScratchDir scratch;
+  const std::filesystem::path out(scratch.str());
+  const std::string grid =
+      "bench recall --quick --steps 2 --lengths 16 --mixers delta --tasks mqar --lrs 1e-3,3e-3"
+      " --seeds 2";
+  ASSERT_EQ(run(grid + " --out " + (out / "real").string()).status, 0);
+  const std::vector<nlohmann::json> runs = read_runs(out / "real" / "recall_runs.jsonl");
+  ASSERT_EQ(runs.size(), 4u);
+  auto missing_of = [&](const std::vector<nlohmann::json>& lines, const std::string& name) {
+    std::filesystem::create_directories(out / name);
+    std::ofstream file(out / name / "recall_runs.jsonl");
+    for (const auto& j : lines) file << j.dump() << "\n";
+    file.close();
+    const CommandResult r = run(grid + " --no-train --continue --out " + (out / name).string());
+    EXPECT_EQ(r.status, 0) << r.output;
+    std::vector<std::string> missing;
+    std::istringstream in(r.output);
+    for (std::string line; std::getline(in, line);)
+      if (line.find("missing") != std::string::npos && line.find("T=") != std::string::npos)
+        missing.push_back(line);
+    return missing;
+  };
+  std::vector<nlohmann::json> reversed(runs.rbegin(), runs.rend());
+  const nlohmann::json taken = reversed[1];
+  reversed.erase(reversed.begin() + 1);
+  const auto missing = missing_of(reversed, "reversed");
+  ASSERT_EQ(missing.size(), 1u);
+  char want[64];
+  std::snprintf(want, sizeof want, "lr %.0e seed %lld", taken["lr"].get<double>(),
+                (long long)taken["seed"].get<int64_t>());
+  EXPECT_NE(missing[0].find(want), std::string::npos) << missing[0] << " vs " << want;
+  // each rate's mean in recall.md is its own runs' (those left in the file)
+  const std::string md = slurp(out / "reversed" / "recall.md");
+  for (const double lr : {1e-3, 3e-3}) {
+    double sum = 0;
+    int n = 0;
+    for (const auto& j : reversed)
+      if (std::abs(j["lr"].get<double>() - lr) < 1e-9) sum += j["accuracy"].get<double>(), ++n;
+    char row[64];
+    std::snprintf(row, sizeof row, "| delta | %.0e | %.1f%%", lr, 100 * sum / n);
+    EXPECT_NE(md.find(row), std::string::npos) << row << "\n" << md;
+  }
+  // any setting changed: none of the four is reused
+  for (const char* key : {"batch", "vocab", "head_dim", "kda_gate", "gate_dt_max", "steps",
+                          "test_examples", "device"}) {
+    std::vector<nlohmann::json> changed = runs;
+    for (auto& j : changed) {
+      auto& v = j["settings"][key];
+      if (v.is_string())
+        v = v.get<std::string>() == "cpu" ? "cuda" : "bounded";
+      else if (v.is_number_integer())
+        v = v.get<int64_t>() + 1;
+      else
+        v = v.get<double>() * 2;
+    }
+    EXPECT_EQ(missing_of(changed, std::string("changed_") + key).size(), 4u) << key;
+  }
+}
+
 // --continue: a second call with the same settings reuses every finished run (trains none and
 // gives the same table); one with other settings trains again; a cut-off last line is skipped.
 TEST(CliBench, RecallContinueReusesFinishedRuns) {
