@@ -360,7 +360,14 @@ TEST(MoeLayer, BiasUpdatesBalanceTheLoad) {
     }
     if (step >= steps - tail)
       for (int64_t e = 0; e < s.E; ++e) tail_load[e] += load[e];
+    // the update: each bias moves by exactly the rate toward the mean load (none at the mean)
+    const std::vector<float> before(w.p.bias->value.f32(), w.p.bias->value.f32() + s.E);
     layer.update_bias(0.01f);
+    const double mean = double(T * s.K) / double(s.E);
+    for (int64_t e = 0; e < s.E; ++e) {
+      const float sign = load[e] < mean ? 1.0f : load[e] > mean ? -1.0f : 0.0f;
+      ASSERT_EQ(w.p.bias->value.f32()[e], before[e] + 0.01f * sign) << "expert " << e;
+    }
     EXPECT_TRUE(std::all_of(layer.expert_load().begin(), layer.expert_load().end(),
                             [](int64_t l) { return l == 0; }));
   }
