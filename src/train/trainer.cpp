@@ -6,6 +6,9 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "core/error.h"
 #include "core/safetensors.h"
@@ -118,6 +121,61 @@ json read_json(const std::string& path) {
   }
 }
 
+// A save is committed by trainer_state.json: the weights and the moments are written first under
+// staging names (".model.safetensors.next"), each naming its step in its metadata, then the state
+// file, then the staged files are renamed into place. A run killed mid-save so leaves the previous
+// checkpoint whole (its staged files, of a step the state file does not name, are dropped), or a
+// committed checkpoint with files still staged (moved into place): never weights of one step
+// with the state of another, which would resume without error and off the uninterrupted run.
+const char* const kStagedFiles[] = {"model.safetensors", "optimizer.safetensors"};
+
+fs::path staged(const fs::path& dir, const std::string& file) {
+  return dir / ("." + file + ".next");
+}
+
+// The step a checkpoint file was saved at (-1: untagged, saved before files were tagged).
+int64_t saved_step(const fs::path& path) {
+  const SafetensorsFile file = SafetensorsFile::open(path.string());
+  const auto it = file.metadata().find("step");
+  if (it == file.metadata().end()) return -1;
+  try {
+    return std::stoll(it->second);
+  } catch (const std::exception&) {
+    throw Error(path.string() + ": metadata 'step' is not a number: " + it->second);
+  }
+}
+
+// write_file_atomic's temporary of a checkpoint file: "." + name + ".tmp" + digits
+bool is_temporary(const std::string& name) {
+  const size_t at = name.rfind(".tmp");
+  if (name.empty() || name[0] != '.' || at == std::string::npos || at + 4 == name.size() ||
+      name.find_first_not_of("0123456789", at + 4) != std::string::npos)
+    return false;
+  const std::string file = name.substr(1, at - 1);
+  for (const char* f :
+       {"config.json", "model.safetensors", "optimizer.safetensors", "trainer_state.json",
+        "log.jsonl", "loss.svg", ".model.safetensors.next", ".optimizer.safetensors.next"})
+    if (file == f) return true;
+  return false;
+}
+
+// Completes or drops what a killed save left in dir: staged files of the committed step (-1:
+// none) move into place, others go, and so do temporaries of killed atomic writes.
+void finish_killed_save(const fs::path& dir, int64_t committed) {
+  for (const char* file : kStagedFiles) {
+    const fs::path next = staged(dir, file);
+    if (!fs::exists(next)) continue;
+    if (committed >= 0 && saved_step(next) == committed)
+      fs::rename(next, dir / file);
+    else
+      fs::remove(next);
+  }
+  std::vector<fs::path> temporaries;
+  for (const auto& entry : fs::directory_iterator(dir))
+    if (is_temporary(entry.path().filename().string())) temporaries.push_back(entry.path());
+  for (const fs::path& p : temporaries) fs::remove(p);
+}
+
 }  // namespace
 
 Trainer::Trainer(const TrainSettings& settings, const std::string& out_dir)
@@ -134,6 +192,7 @@ Trainer::Trainer(const TrainSettings& settings, const std::string& out_dir)
   require(!fs::exists(fs::path(out_dir) / "trainer_state.json"),
           out_dir + " already holds a run: use --resume, or another --out");
   fs::create_directories(out_dir);
+  finish_killed_save(out_dir, -1);  // a first save that was killed: nothing committed
   start();
   std::ofstream(fs::path(dir_) / "log.jsonl", std::ios::trunc);
   if (settings_.is_text()) copy_tokenizer_files(settings_.text.tokenizer, out_dir);
@@ -206,6 +265,14 @@ std::unique_ptr<Trainer> Trainer::resume(const std::string& out_dir, const std::
   t->start(true);
   const json state = read_json((dir / "trainer_state.json").string());
   t->step_ = state.at("step").get<int64_t>();
+  finish_killed_save(dir, t->step_);
+  for (const char* file : kStagedFiles) {
+    const int64_t step = saved_step(dir / file);
+    require(step < 0 || step == t->step_,
+            out_dir + "/" + file + " was saved at step " + std::to_string(step) +
+                " but trainer_state.json names step " + std::to_string(t->step_) +
+                ": the checkpoint is torn");
+  }
   const uint64_t position = state.at("data_position").get<uint64_t>();
   if (t->text_stream_)
     t->text_stream_->seek(position);
@@ -223,15 +290,34 @@ std::unique_ptr<Trainer> Trainer::resume(const std::string& out_dir, const std::
   std::vector<std::pair<std::string, Tensor>> moments;
   for (const std::string& name : opt.names()) moments.emplace_back(name, opt.load(name));
   t->optimizer_->load_state(moments, t->step_);
-  // drop log lines past the checkpoint (written after it by an interrupted run)
-  std::ifstream in(dir / "log.jsonl");
-  std::string line, kept;
-  while (std::getline(in, line)) {
-    if (!line.empty() && json::parse(line).at("step").get<int64_t>() <= t->step_) {
-      kept += line + "\n";
+  // drop log lines past the checkpoint (written after it by an interrupted run), and a last line
+  // cut short by a kill mid-write; an unreadable line before the last is corruption
+  const std::string log_path = (dir / "log.jsonl").string();
+  std::vector<std::pair<int64_t, std::string>> lines;  // line number, text
+  {
+    std::ifstream in(log_path);
+    std::string line;
+    for (int64_t number = 1; std::getline(in, line); ++number)
+      if (!line.empty()) lines.emplace_back(number, line);
+  }
+  std::string kept;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    const auto& [number, line] = lines[i];
+    const json entry = json::parse(line, nullptr, false);
+    if (entry.is_discarded() && i + 1 == lines.size()) break;  // cut short
+    require(entry.is_object() && entry.contains("step") && entry["step"].is_number_integer(),
+            log_path + ": line " + std::to_string(number) +
+                " is not a log entry (not JSON with a step); the log is corrupt");
+    const int64_t step = entry["step"].get<int64_t>();
+    if (step > t->step_) continue;
+    kept += line + "\n";
+    if (step == t->step_ && entry.contains("val_loss")) {  // evaluated at the checkpoint: once
+      t->logged_eval_step_ = step;
+      t->logged_eval_ = {entry.at("val_loss").get<double>(), entry.at("val_accuracy").get<double>(),
+                         entry.at("val_tokens").get<int64_t>()};
     }
   }
-  write_file_atomic((dir / "log.jsonl").string(), kept);
+  write_file_atomic(log_path, kept);
   return t;
 }
 
@@ -241,14 +327,17 @@ void Trainer::save() const {
   model_->pull_values();
   std::vector<NamedTensor> weights;
   for (Param* p : model_->params()) weights.push_back({p->name, &p->value});
-  write_safetensors((dir / "model.safetensors").string(), weights, {{"format", "pt"}});
+  const std::string step = std::to_string(step_);
+  write_safetensors(staged(dir, "model.safetensors").string(), weights,
+                    {{"format", "pt"}, {"step", step}});
   const auto moments = optimizer_->state();
   std::vector<NamedTensor> named;
   for (const auto& [name, t] : moments) named.push_back({name, &t});
-  write_safetensors((dir / "optimizer.safetensors").string(), named);
-  // the state file goes last: a checkpoint is complete once it names this step
+  write_safetensors(staged(dir, "optimizer.safetensors").string(), named, {{"step", step}});
+  // the commit (kStagedFiles above): the checkpoint is of this step once the state file names it
   const json state = {{"step", step_}, {"data_position", data_position()}};
   write_file_atomic((dir / "trainer_state.json").string(), state.dump(2) + "\n");
+  for (const char* file : kStagedFiles) fs::rename(staged(dir, file), dir / file);
 }
 
 double Trainer::accumulate_gradients() {

@@ -7,7 +7,11 @@
 //   log.jsonl              one line per step: step, loss, lr, grad_norm, tokens_per_s; and one
 //                          per evaluation: step, val_loss, val_accuracy, val_tokens
 //   loss.svg               the loss curve (and validation points), written when the run ends
-// Every file is written atomically; a resumed run continues bit for bit.
+// Every file is written atomically, and a checkpoint as a whole: the weights and moments are
+// staged (".model.safetensors.next", each tagged with its step), trainer_state.json commits them,
+// then they move into place; a resume finishes or drops what a killed save left, refuses files
+// of another step than the state's, and drops log lines past the checkpoint (and a last line
+// cut short). A resumed run continues bit for bit.
 #pragma once
 #include <atomic>
 #include <cstdint>
