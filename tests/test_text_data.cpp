@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "byte_tokenizer.h"
 #include "core/error.h"
 #include "core/random.h"
 #include "error_of.h"
@@ -48,25 +49,6 @@ struct TempDir {
   }
 };
 
-std::string base64(unsigned char byte) {
-  static const char* digits = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-  std::string s;
-  s += digits[byte >> 2];
-  s += digits[(byte & 3) << 4];
-  return s + "==";
-}
-
-// byte.tiktoken + byte.json in dir: ranks 0..255 are the bytes, <|endoftext|> is 256.
-std::string write_byte_tokenizer(const fs::path& dir) {
-  fs::create_directories(dir);
-  std::ofstream ranks(dir / "byte.tiktoken");
-  for (int b = 0; b < 256; ++b) ranks << base64((unsigned char)b) << " " << b << "\n";
-  std::ofstream(dir / "byte.json")
-      << R"({"pat_str": " ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+", )"
-      << R"("special_tokens": {"<|endoftext|>": 256}})";
-  return (dir / "byte.tiktoken").string();
-}
-
 std::vector<int32_t> bytes_of(const std::string& text, bool eot = true) {
   std::vector<int32_t> out(text.begin(), text.end());
   for (int32_t& t : out) t &= 0xff;
@@ -75,6 +57,7 @@ std::vector<int32_t> bytes_of(const std::string& text, bool eot = true) {
 }
 
 using kda::testing::error_of;
+using kda::testing::write_byte_tokenizer;
 
 TEST(TextData, FilesAreDocumentsInSortedOrderAndParagraphsSplitAtBlankLines) {
   TempDir dir("docs");

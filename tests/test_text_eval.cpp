@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "byte_tokenizer.h"
 #include "core/safetensors.h"
 #include "core/tensor.h"
 #include "run_command.h"
@@ -36,6 +37,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
+using testing::write_byte_tokenizer;
 
 constexpr int32_t kEot = 256;
 constexpr int64_t kT = 16;        // --seq-len
@@ -54,25 +56,6 @@ std::string slurp(const fs::path& path) {
   std::stringstream s;
   s << in.rdbuf();
   return s.str();
-}
-
-std::string base64(unsigned char byte) {
-  static const char* digits = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-  std::string s;
-  s += digits[byte >> 2];
-  s += digits[(byte & 3) << 4];
-  return s + "==";
-}
-
-// byte.tiktoken + byte.json in dir: ranks 0..255 are the bytes, <|endoftext|> is 256.
-std::string write_byte_tokenizer(const fs::path& dir) {
-  fs::create_directories(dir);
-  std::ofstream ranks(dir / "byte.tiktoken");
-  for (int b = 0; b < 256; ++b) ranks << base64((unsigned char)b) << " " << b << "\n";
-  std::ofstream(dir / "byte.json")
-      << R"({"pat_str": " ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+", )"
-      << R"("special_tokens": {"<|endoftext|>": 256}})";
-  return (dir / "byte.tiktoken").string();
 }
 
 // Document d of the corpus: a tag no other document holds ("§07|"), then words (some of them
