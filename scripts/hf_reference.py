@@ -48,6 +48,71 @@ def read_safetensors_names(path):
     return list(header)
 
 
+def read_safetensors_tensors(path, torch):
+    """Every tensor of a safetensors file as float32 (F32, BF16 or F16 as stored)."""
+    kinds = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        data = f.read()
+    header.pop("__metadata__", None)
+    out = {}
+    for name, e in header.items():
+        begin, end = e["data_offsets"]
+        raw = bytearray(data[begin:end])
+        out[name] = torch.frombuffer(raw, dtype=kinds[e["dtype"]]).reshape(e["shape"]).float()
+    return out
+
+
+def locate_stored(stored, holders, torch):
+    """Where a stored tensor lives in the loaded model when transformers converted it on load
+    (renamed, stacked with the other experts, concatenated as gate + up, transposed, reshaped):
+    found by value, since the load copied it exactly. holders: name -> tensor (parameters and
+    buffers). Returns (holder name, selector) pairs: selector(g) is the part of a tensor shaped
+    like the holder that is the stored tensor; several pairs mean the value is ambiguous."""
+    found, seen = [], set()
+
+    def add(name, key, selector):
+        if key not in seen:
+            seen.add(key)
+            found.append((name, selector))
+
+    for name, holder in holders.items():
+        x = holder.detach().float()
+        if x.numel() == stored.numel() and x.dim() != stored.dim():
+            if torch.equal(x.reshape(stored.shape), stored):
+                add(name, (id(holder), "reshape"), lambda g: g.reshape(stored.shape))
+            continue
+        if x.dim() == stored.dim() + 1:  # one expert of a stacked tensor
+            views = [(i, x[i]) for i in range(x.shape[0])]
+        elif x.dim() == stored.dim():
+            views = [(None, x)]
+        else:
+            continue
+        for i, v in views:
+            for transposed in (False, True) if v.dim() == 2 else (False,):
+                w = v.t() if transposed else v
+                for dim in range(w.dim()):
+                    if any(w.shape[d] != stored.shape[d] for d in range(w.dim()) if d != dim):
+                        continue
+                    total, part = w.shape[dim], stored.shape[dim]
+                    if part == 0 or total % part:
+                        continue
+                    for offset in range(0, total, part):
+                        if not torch.equal(w.narrow(dim, offset, part), stored):
+                            continue
+                        if total == part:
+                            dim = 0  # the whole view: one key whichever dim found it
+
+                        def selector(g, i=i, transposed=transposed, dim=dim, offset=offset, part=part):
+                            g = g if i is None else g[i]
+                            g = g.t() if transposed else g
+                            return g.narrow(dim, offset, part)
+
+                        add(name, (id(holder), i, transposed, dim, offset), selector)
+    return found
+
+
 def as_entry(t):
     t = t.detach().cpu().contiguous()
     return (DTYPE_NAMES[str(t.dtype)], tuple(t.shape), t.numpy().tobytes())
@@ -123,17 +188,30 @@ def reference_for(folder, out_dir, torch, transformers, tokens, new_tokens, seed
         loss.backward()
         params = dict(model.named_parameters(remove_duplicate=False))
         buffers = dict(model.named_buffers())
-        entries, unmapped = {}, []
+        entries, unmapped, mapped, stored, holders = {}, [], [], None, None
         for name in read_safetensors_names(os.path.join(folder, "model.safetensors")):
             if name in params:
                 p = params[name]
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
             elif name in buffers:  # e.g. a router's selection bias: no gradient
                 g = torch.zeros_like(buffers[name], dtype=torch.float32)
-            else:  # transformers may hold it fused with others (a conversion on load)
-                unmapped.append(name)
-                continue
-            entries[name] = as_entry(g.float())
+            else:  # transformers converted it on load (renamed, fused with others): by value
+                if stored is None:
+                    stored = read_safetensors_tensors(os.path.join(folder, "model.safetensors"), torch)
+                    holders = {**{n: p for n, p in params.items()}, **buffers}
+                places = locate_stored(stored[name], holders, torch)
+                if len(places) != 1:
+                    unmapped.append(f"{name} ({len(places)} places by value)")
+                    continue
+                holder_name, selector = places[0]
+                holder = holders[holder_name]
+                full = getattr(holder, "grad", None)
+                full = full if full is not None else torch.zeros_like(holder, dtype=torch.float32)
+                g = selector(full)
+                mapped.append(name)
+            entries[name] = as_entry(g.float().contiguous())
+        if mapped:
+            print(f"{folder}: {len(mapped)} stored tensors found by value in the converted model")
         if unmapped:
             print(f"{folder}: no gradients written: {len(unmapped)} stored tensors are not "
                   f"parameters of the loaded model as named, e.g. {unmapped[:3]}")
@@ -168,12 +246,44 @@ def make_random(config_path, out_dir, torch, transformers, seed):
     return out_dir
 
 
+def self_test(torch):
+    """locate_stored on conversions of the kinds transformers applies on load, torch alone."""
+    torch.manual_seed(0)
+    experts, ffn, width = 4, 6, 5
+    gate = [torch.randn(ffn, width) for _ in range(experts)]
+    up = [torch.randn(ffn, width) for _ in range(experts)]
+    down = [torch.randn(width, ffn) for _ in range(experts)]
+    a_log, renamed = torch.randn(3), torch.randn(7, 2)
+    holders = {  # stacked + concatenated, stacked + transposed, reshaped, renamed
+        "experts.gate_up_proj": torch.stack([torch.cat(p, 0) for p in zip(gate, up)]),
+        "experts.down_proj": torch.stack([x.t() for x in down]),
+        "A_log": a_log.reshape(1, 1, 3, 1).clone(),
+        "mlp.weight": renamed.clone(),
+    }
+    stored = {"A_log": a_log, "w": renamed}
+    for e in range(experts):
+        stored.update({f"gate.{e}": gate[e], f"up.{e}": up[e], f"down.{e}": down[e]})
+    for name, tensor in stored.items():
+        places = locate_stored(tensor, holders, torch)
+        if len(places) != 1:
+            raise SystemExit(f"self-test: {name} found in {len(places)} places")
+        holder, selector = places[0]
+        if not torch.equal(selector(holders[holder]), tensor):
+            raise SystemExit(f"self-test: {name}'s selector picks another part of {holder}")
+    ones = {"n1": torch.ones(4), "n2": torch.ones(4)}
+    if len(locate_stored(torch.ones(4), ones, torch)) != 2 or locate_stored(torch.randn(4), ones, torch):
+        raise SystemExit("self-test: an ambiguous or absent value was not reported as such")
+    print(f"self-test: {len(stored)} converted tensors found by value, ambiguity reported")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folders", nargs="*")
     ap.add_argument("--random-config", action="append", default=[],
                     help="a config.json: transformers makes and saves a random model of it first")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
+    ap.add_argument("--self-test", action="store_true",
+                    help="check the by-value search for converted tensors (needs torch only)")
     ap.add_argument("--tokens", type=int, default=96)  # past one 64-token chunk
     ap.add_argument("--new-tokens", type=int, default=20)
     ap.add_argument("--seed", type=int, default=1)
@@ -182,6 +292,12 @@ def main():
     args = ap.parse_args()
 
     import torch
+
+    if args.self_test:
+        self_test(torch)
+        return
+    if not args.out:
+        ap.error("--out is required")
     import transformers
 
     torch.manual_seed(args.seed)
