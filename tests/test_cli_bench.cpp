@@ -103,6 +103,73 @@ TEST(CliBench, RecallDocsTableIsWhatTheRunsFileGives) {
     EXPECT_EQ(line.find("| - |"), std::string::npos) << "a cell without a run: " << line;
 }
 
+// recall.svg draws what recall.json says: one panel a task, in it one polyline a mixer (in the
+// order of --mixers) with a point a length, left to right, at the height of the cell's accuracy
+// (0 % at the panel's bottom, 100 % at its top), and a legend naming the mixers. Drawn from the
+// grid of docs/recall_v8192_runs.jsonl, whose cells span 0-100 %.
+TEST(CliBench, RecallPlotDrawsEveryCellAtItsAccuracy) {
+  const kda::testing::ScratchDir scratch;
+  const std::filesystem::path out_root(scratch.str()), docs(KDA_DOCS_DIR);
+  std::filesystem::copy_file(docs / "recall_v8192_runs.jsonl", out_root / "recall_runs.jsonl");
+  const std::vector<std::string> mixers = {
+      "softmax", "linear", "delta", "gated_delta", "kda", "kda+softmax", "kda+softmax_rope"};
+  const std::vector<std::string> tasks = {"mqar", "palindrome", "stack"};
+  const std::vector<int64_t> lengths = {256, 512, 1024, 2048};
+  std::string mixer_list;
+  for (const std::string& m : mixers) mixer_list += (mixer_list.empty() ? "" : ",") + m;
+  const CommandResult r =
+      run("bench recall --device cuda --vocab 8192 --kda-gate bounded --gate-dt-max 0.01 --steps "
+          "20000 --lrs 1e-3,5e-4,3e-3 --lengths 256,512,1024,2048 --mixers " +
+          mixer_list + " --no-train --out " + out_root.string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  std::map<std::string, double> accuracy;  // "mixer/task/length"
+  for (const auto& cell : nlohmann::json::parse(slurp(out_root / "recall.json")))
+    accuracy[cell["mixer"].get<std::string>() + "/" + cell["task"].get<std::string>() + "/" +
+             std::to_string(cell["seq_len"].get<int64_t>())] = cell["accuracy"].get<double>();
+  ASSERT_EQ(accuracy.size(), mixers.size() * tasks.size() * lengths.size());
+
+  const std::string svg = slurp(out_root / "recall.svg");
+  std::vector<std::vector<std::pair<int, int>>> lines;  // each polyline's points
+  for (size_t at = svg.find("<polyline"); at != std::string::npos;
+       at = svg.find("<polyline", at + 1)) {
+    const size_t begin = svg.find("points='", at) + 8, end = svg.find('\'', begin);
+    std::istringstream points(svg.substr(begin, end - begin));
+    std::vector<std::pair<int, int>> line;
+    for (std::string xy; points >> xy;) {
+      const size_t comma = xy.find(',');
+      line.emplace_back(std::stoi(xy.substr(0, comma)), std::stoi(xy.substr(comma + 1)));
+    }
+    lines.push_back(line);
+  }
+  ASSERT_EQ(lines.size(), tasks.size() * mixers.size()) << svg;
+  const int top = 40, height = 220;  // the panels' frame: <rect ... y='40' ... height='220'>
+  ASSERT_NE(svg.find("y='" + std::to_string(top) + "' width='300' height='" +
+                     std::to_string(height) + "'"),
+            std::string::npos);
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    for (size_t m = 0; m < mixers.size(); ++m) {
+      const auto& line = lines[t * mixers.size() + m];
+      ASSERT_EQ(line.size(), lengths.size()) << tasks[t] << " " << mixers[m];
+      for (size_t l = 0; l < lengths.size(); ++l) {
+        const double acc =
+            accuracy.at(mixers[m] + "/" + tasks[t] + "/" + std::to_string(lengths[l]));
+        EXPECT_NEAR(line[l].second, top + height - acc * height, 1.0)
+            << tasks[t] << " " << mixers[m] << " " << lengths[l] << ": " << acc;
+        if (l > 0) EXPECT_GT(line[l].first, line[l - 1].first);
+        if (m > 0) EXPECT_EQ(line[l].first, lines[t * mixers.size()][l].first);  // same x a length
+      }
+    }
+    if (t > 0)
+      EXPECT_GT(lines[t * mixers.size()][0].first, lines[(t - 1) * mixers.size()].back().first);
+  }
+  size_t legend = 0;
+  for (const std::string& m : mixers) {
+    const size_t at = svg.find("'>" + m + "</text>", legend);
+    EXPECT_NE(at, std::string::npos) << m;
+    legend = at == std::string::npos ? legend : at;
+  }
+}
+
 // --progress N: every run reports its step, mean loss and time a step every N steps (and only
 // then), labelled with its cell, so that a long GPU run's log shows how far it is.
 TEST(CliBench, RecallProgressReportsEveryNSteps) {
