@@ -44,6 +44,17 @@ TEST(CliModels, VerifyModelFolder) {
   EXPECT_NE(r.output.find(" 0 failed"), std::string::npos) << r.output;
 }
 
+// A Kimi Linear that transformers made (q_lora_rank, grouped routing, two shared experts), with
+// its logits, greedy continuation and gradients: every check of verify, the backward's included.
+TEST(CliModels, VerifyKimiLinearFolderMadeByTransformers) {
+  const std::string dir = (fs::path(__FILE__).parent_path() / "data/kimi_linear_qlora").string();
+  const Result r = run_kda("verify '" + dir + "'");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("backward             gradients (147 tensors"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("6 checks, 0 failed"), std::string::npos) << r.output;
+}
+
 TEST(CliModels, RunWithIdsPrintsTheGeneratedIds) {
   const Result r = run_kda("run -m '" + kFixture + "' --ids 1,2,3 -n 5", false);
   ASSERT_EQ(r.status, 0) << r.output;

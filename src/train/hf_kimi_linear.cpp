@@ -64,9 +64,7 @@ struct KimiLinearTrainable::Layer {
 };
 
 KimiLinearTrainable::KimiLinearTrainable(const json& config)
-    : json_(config), c_(model::KimiLinearConfig::parse(config)) {
-  require(c_.q_lora_rank == 0, "kimi_linear training: q_lora_rank is not supported (use q_proj)");
-}
+    : json_(config), c_(model::KimiLinearConfig::parse(config)) {}
 
 KimiLinearTrainable::~KimiLinearTrainable() = default;
 
@@ -112,7 +110,14 @@ void KimiLinearTrainable::build(const std::string& dense_prefix_name) {
     } else {
       const int64_t H = c.mla_heads, L = c.kv_lora_rank;
       MlaLayerParams w;
-      w.q_proj = add(a + "q_proj.weight", {H * c.mla_qk_dim(), D}, true);
+      if (c.q_lora_rank > 0) {  // q = q_b(RMSNorm(q_a x))
+        const int64_t R = c.q_lora_rank;
+        w.q_a = add(a + "q_a_proj.weight", {R, D}, true);
+        w.q_a_layernorm = add(a + "q_a_layernorm.weight", {R}, false);
+        w.q_proj = add(a + "q_b_proj.weight", {H * c.mla_qk_dim(), R}, true);
+      } else {
+        w.q_proj = add(a + "q_proj.weight", {H * c.mla_qk_dim(), D}, true);
+      }
       w.kv_a = add(a + "kv_a_proj_with_mqa.weight", {c.mla_row_width(), D}, true);
       w.kv_a_layernorm = add(a + "kv_a_layernorm.weight", {L}, false);
       w.kv_b = add(a + "kv_b_proj.weight", {H * (c.qk_nope_head_dim + c.v_head_dim), L}, true);

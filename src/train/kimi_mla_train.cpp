@@ -1,5 +1,6 @@
 // Kimi Linear's NoPE MLA mixer for training, in the expanded form:
-//   q = x q_proj^T [N, H, nope + rope];  [c ; k_rope] = x kv_a^T;  c <- RMSNorm(c) (eps 1e-6)
+//   q = x q_proj^T [N, H, nope + rope]  (or q_b(RMSNorm(x q_a^T)) with q_lora_rank, eps 1e-6)
+//   [c ; k_rope] = x kv_a^T;  c <- RMSNorm(c) (eps 1e-6)
 //   [k_nope_h ; v_h] = c kv_b_h^T;  k_h = [k_nope_h ; k_rope] (k_rope shared by every head)
 //   o = causal softmax attention per document (scale (nope + rope)^-0.5);  y = o_proj o
 #include <algorithm>
@@ -28,7 +29,15 @@ void KimiMlaTrainLayer::forward(const float* x, int64_t N, std::span<const int64
   N_ = N;
   segments_.assign(segments.begin(), segments.end());
   x_.assign(x, x + N * D);
-  linear_forward(x, N, D, p_.q_proj->value.f32(), H * qk, sized(q_, N * H * qk));
+  if (p_.q_a) {
+    const int64_t R = c_.q_lora_rank;
+    linear_forward(x, N, D, p_.q_a->value.f32(), R, sized(q_rows_, N * R));
+    rms_norm_forward(q_rows_.data(), N, R, p_.q_a_layernorm->value.f32(), model::kKimiLatentNormEps,
+                     sized(q_latent_, N * R), sized(q_inv_rms_, N));
+    linear_forward(q_latent_.data(), N, R, p_.q_proj->value.f32(), H * qk, sized(q_, N * H * qk));
+  } else {
+    linear_forward(x, N, D, p_.q_proj->value.f32(), H * qk, sized(q_, N * H * qk));
+  }
   linear_forward(x, N, D, p_.kv_a->value.f32(), row, sized(rows_, N * row));
   float* latent = sized(latent_, N * L);
   float* inv = sized(inv_rms_, N);
@@ -97,8 +106,19 @@ void KimiMlaTrainLayer::backward(const float* dy, float* dx) {
   }
   linear_backward(x_.data(), drows.data(), N, D, p_.kv_a->value.f32(), row, dx,
                   p_.kv_a->grad.f32());
-  linear_backward(x_.data(), dq.data(), N, D, p_.q_proj->value.f32(), H * qk, dx,
-                  p_.q_proj->grad.f32(), true);
+  if (p_.q_a) {
+    const int64_t R = c_.q_lora_rank;
+    std::vector<float> dq_latent(size_t(N * R)), dq_rows(size_t(N * R));
+    linear_backward(q_latent_.data(), dq.data(), N, R, p_.q_proj->value.f32(), H * qk,
+                    dq_latent.data(), p_.q_proj->grad.f32());
+    rms_norm_backward(q_rows_.data(), dq_latent.data(), N, R, p_.q_a_layernorm->value.f32(),
+                      q_inv_rms_.data(), dq_rows.data(), p_.q_a_layernorm->grad.f32());
+    linear_backward(x_.data(), dq_rows.data(), N, D, p_.q_a->value.f32(), R, dx, p_.q_a->grad.f32(),
+                    true);
+  } else {
+    linear_backward(x_.data(), dq.data(), N, D, p_.q_proj->value.f32(), H * qk, dx,
+                    p_.q_proj->grad.f32(), true);
+  }
 }
 
 }  // namespace kda::train

@@ -39,11 +39,13 @@ class KimiKdaTrainLayer {
 };
 
 struct MlaLayerParams {
-  Param* q_proj;          // [H (nope + rope), D]
-  Param* kv_a;            // [latent + rope, D]  (kv_a_proj_with_mqa)
-  Param* kv_a_layernorm;  // [latent]
-  Param* kv_b;            // [H (nope + v), latent]
-  Param* o_proj;          // [D, H v]
+  Param* q_proj;         // [H (nope + rope), D], or q_b_proj [H (nope + rope), R] with q_a
+  Param* q_a = nullptr;  // q_a_proj [R, D] (q_lora_rank R > 0; null: no q compression)
+  Param* q_a_layernorm = nullptr;  // [R]
+  Param* kv_a;                     // [latent + rope, D]  (kv_a_proj_with_mqa)
+  Param* kv_a_layernorm;           // [latent]
+  Param* kv_b;                     // [H (nope + v), latent]
+  Param* o_proj;                   // [D, H v]
 };
 
 class KimiMlaTrainLayer {
@@ -58,6 +60,7 @@ class KimiMlaTrainLayer {
   int64_t N_ = 0;
   std::vector<int64_t> segments_;
   std::vector<float> x_, q_, rows_, latent_, inv_rms_, kvb_, keys_, values_, o_, lse_;
+  std::vector<float> q_rows_, q_latent_, q_inv_rms_;  // with q_a only
 };
 
 }  // namespace kda::train
