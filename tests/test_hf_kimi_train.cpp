@@ -1,7 +1,7 @@
 // Kimi Linear training: loss and every gradient against transformers' autograd (the
-// kimi_linear_tiny fixture), gradients of a fresh model against finite differences, packed
-// documents against separate rows, a saved model against the inference path, and the MoE's
-// auxiliary-loss-free balancing.
+// kimi_linear_tiny fixture, and data/kimi_linear_qlora that transformers made), gradients of a
+// fresh model against finite differences, packed documents against separate rows, a saved model
+// against the inference path, and the MoE's auxiliary-loss-free balancing.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
