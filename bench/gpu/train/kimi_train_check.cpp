@@ -1,10 +1,11 @@
 // Kimi Linear on the GPU against the CPU model from the same weights: a small config in the
 // shape of ../shared/fixtures/models/kimi_linear_tiny (3 KDA + 1 MLA layers, the first layer
 // dense, MoE with a shared expert; KDA head_dim 64, the chunked kernels' smallest), B = 2 rows
-// of T = 100 and packed documents. Checked: the loss; every gradient (3e-2, gate parameters
-// against the bound of lineage_train_check.cpp's check_gradients); gradients accumulating
-// across calls; the MoE selection bias after an optimizer step and after_optimizer_step (equal
-// to the CPU's); pull_values / push_values (exact); a few steps on one batch lower the loss.
+// of T = 100 and packed documents (and once with q_lora_rank). Checked: the loss; every gradient
+// (3e-2, gate parameters against the bound of lineage_train_check.cpp's check_gradients); gradients
+// accumulating across calls; the MoE selection bias after an optimizer step and
+// after_optimizer_step (equal to the CPU's); pull_values / push_values (exact); a few steps on one
+// batch lower the loss.
 //
 // Expert routing must be the same on both sides, or the comparison means nothing: a near-tie
 // between the k-th and (k+1)-th expert flips under bf16 noise. So the check makes ties
@@ -55,7 +56,8 @@ constexpr int64_t kVocab = 256;
 // ~0.7x that, crosses 3e-2); at 1.5x the worst gradient sits at ~2e-2.
 constexpr float kProjectionScale = 1.5f;
 
-json check_config() {
+// q_lora_rank 0: a single q_proj (the released checkpoint's null)
+json check_config(int64_t q_lora_rank = 0) {
   return json{{"model_type", "kimi_linear"},
               {"architectures", {"KimiLinearForCausalLM"}},
               {"vocab_size", kVocab},
@@ -75,7 +77,7 @@ json check_config() {
                 {"short_conv_kernel_size", 4}}},
               {"num_attention_heads", 4},
               {"num_key_value_heads", 4},
-              {"q_lora_rank", nullptr},
+              {"q_lora_rank", q_lora_rank > 0 ? json(q_lora_rank) : json(nullptr)},
               {"kv_lora_rank", 64},
               {"qk_nope_head_dim", 32},
               {"qk_rope_head_dim", 16},
@@ -163,8 +165,8 @@ bool gate_parameter(const std::string& name) {
   return false;
 }
 
-void check_model(bool packed, uint64_t seed) {
-  const json config = check_config();
+void check_model(bool packed, uint64_t seed, int64_t q_lora_rank = 0) {
+  const json config = check_config(q_lora_rank);
   auto cpu = KimiLinearTrainable::from_config(config, seed);
   prepare_weights(*cpu, seed);
   // the CPU model again with every weight moved by up to 2^-8 (bf16's rounding): how much its
@@ -176,7 +178,8 @@ void check_model(bool packed, uint64_t seed) {
   // packed: documents of 37, 63, 1 and 99 tokens (every row start a boundary)
   const std::vector<int64_t> cu =
       packed ? std::vector<int64_t>{0, 37, 100, 101, 200} : std::vector<int64_t>{};
-  const std::string tag = std::string("kimi_train ") + (packed ? "packed" : "B=2 T=100");
+  const std::string tag = std::string("kimi_train ") + (packed ? "packed" : "B=2 T=100") +
+                          (q_lora_rank > 0 ? " q_lora" : "");
   cpu->zero_grad();
   gpu.zero_grad();
   nudged->zero_grad();
@@ -317,6 +320,7 @@ int run_kimi_train_checks() {
   try {
     check_model(false, 51);
     check_model(true, 52);
+    check_model(true, 53, 48);  // the MLA query through q_a, its norm and q_b
     check_accumulation();
     check_learns();
   } catch (const std::exception& e) {

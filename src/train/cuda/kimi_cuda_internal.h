@@ -36,11 +36,12 @@ struct KimiCudaModel::Layer {
   int64_t o_width = 0;  // the output projection's input width (KDA H K, MLA H v)
   Entry *norm1 = nullptr, *norm2 = nullptr, *o_proj = nullptr;
   // KDA: q, k, v projections, their short convolutions, the low-rank gates, beta, A_log,
-  // dt_bias, the output norm. MLA: q (q_proj), kv_a, kv_a_norm, kv_b.
+  // dt_bias, the output norm. MLA: q (q_proj, or q_b_proj with q_lora_rank, then also q_a and
+  // its norm), kv_a, kv_a_norm, kv_b.
   Entry *q = nullptr, *k = nullptr, *v = nullptr, *conv[3] = {nullptr, nullptr, nullptr};
   Entry *f_a = nullptr, *f_b = nullptr, *g_a = nullptr, *g_b = nullptr, *b = nullptr;
   Entry *A_log = nullptr, *dt_bias = nullptr, *o_norm = nullptr;
-  Entry *kv_a = nullptr, *kv_a_norm = nullptr, *kv_b = nullptr;
+  Entry *kv_a = nullptr, *kv_a_norm = nullptr, *kv_b = nullptr, *q_a = nullptr, *q_a_norm = nullptr;
   // Dense SwiGLU MLP
   Entry *gate = nullptr, *up = nullptr, *down = nullptr;
   // MoE: router, selection bias, experts, shared expert (null when there is none)
@@ -70,9 +71,10 @@ struct KimiCudaModel::PerLayer {
   // KDA: q, k, v projections fp32 [R, 3 HK]; conv outputs (bf16); f_a x, g_a x (bf16 [R, K]);
   // graw (bf16), the output gate (fp32), beta's pre-activation (bf16), the kernel's output
   // MLA: q_c, k_c ([R, H, qk]), v_c, the kv_a rows fp32, the latent before and after its norm,
-  // its inverse RMS and lse (the attention writes its output to o_c in bf16)
+  // its inverse RMS and lse (the attention writes its output to o_c in bf16); with q_lora_rank
+  // the query's q_a rows (fp32), their inverse RMS and normed rows (bf16)
   ops::cuda::DeviceBuffer qkv32, q_c, k_c, v_c, fa_c, ga_c, g_c, gate32, b_c, kda_o_c;
-  ops::cuda::DeviceBuffer rows32, lat32, inv_lat, latn_c, lse;
+  ops::cuda::DeviceBuffer rows32, lat32, inv_lat, latn_c, lse, q_lat32, inv_q_lat, q_latn_c;
   // KDA in training: the chunked forward's workspace, with what the backward needs from it
   // (chunk_forward_for_backward)
   ops::cuda::DeviceBuffer chunk_ws;
@@ -98,9 +100,9 @@ struct KimiCudaModel::Activations {
   ops::cuda::DeviceBuffer dq_c, dk_c, dv_c, dg_c, db_c, dA, ddt, dko_c, dgate_c;
   // MLA backward (and the forward's kv_b output in dkvb32): dq / dk / dv (bf16), dk and dv in
   // fp32, d(kv_b out), d(kv_a rows), d(latent), the [H qk, rope] 0/1 matrix that sums the heads'
-  // rope-key gradients
+  // rope-key gradients; with q_lora_rank d(q_a rows) (fp32)
   ops::cuda::DeviceBuffer dqm_c, dkm_c, dvm_c, dkeys32, dvalues32, dkvb32, drows32, dlat32,
-      rope_sum;
+      rope_sum, dq_lat32;
   // MoE: expert outputs fp32 [pairs, D] (forward) / d(gathered inputs) (backward); gathered dy
   // (bf16); the weighted hidden (bf16 [pairs, I]); dy W2 (fp32 [pairs, I]); d[gate | up] (bf16);
   // d(routing weights) [R, top_k]; d(router logits) [R, E]

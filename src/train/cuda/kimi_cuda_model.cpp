@@ -28,7 +28,6 @@ using model::KimiMixer;
 KimiCudaModel::KimiCudaModel(std::unique_ptr<KimiLinearTrainable> host)
     : host_(std::move(host)), c_(model::KimiLinearConfig::parse(host_->config())) {
   const model::KimiLinearConfig& c = c_;
-  require(c.q_lora_rank == 0, "kimi_linear (cuda): q_lora_rank is not supported");
   if (c.count(KimiMixer::kda) > 0) {
     require(c.kda_head_dim == 64 || c.kda_head_dim == 128,
             "kimi_linear (cuda): linear_attn_config.head_dim must be 64 or 128 (the chunked "
@@ -72,7 +71,13 @@ KimiCudaModel::KimiCudaModel(std::unique_ptr<KimiLinearTrainable> host)
       L.o_norm = at(a + "o_norm.weight");
     } else {
       L.o_width = c.mla_heads * c.v_head_dim;
-      L.q = at(a + "q_proj.weight");
+      if (c.q_lora_rank > 0) {  // q = q_b(RMSNorm(q_a x))
+        L.q_a = at(a + "q_a_proj.weight");
+        L.q_a_norm = at(a + "q_a_layernorm.weight");
+        L.q = at(a + "q_b_proj.weight");
+      } else {
+        L.q = at(a + "q_proj.weight");
+      }
       L.kv_a = at(a + "kv_a_proj_with_mqa.weight");
       L.kv_a_norm = at(a + "kv_a_layernorm.weight");
       L.kv_b = at(a + "kv_b_proj.weight");
@@ -201,6 +206,11 @@ void KimiCudaModel::ensure_activations(int64_t R) {
       p.inv_lat = f32(R);
       p.latn_c = bf(R * lat);
       p.lse = f32(R * MH);
+      if (c.q_lora_rank > 0) {
+        p.q_lat32 = f32(R * c.q_lora_rank);
+        p.inv_q_lat = f32(R);
+        p.q_latn_c = bf(R * c.q_lora_rank);
+      }
     }
     if (L.moe) {
       any_moe = true;
@@ -234,7 +244,7 @@ void KimiCudaModel::ensure_activations(int64_t R) {
     dy_width = std::max({dy_width, HK, K});
     d32_width = std::max({d32_width, HK, K});
   }
-  if (any_mla) dy_width = std::max({dy_width, MH * (nope + mv), row});
+  if (any_mla) dy_width = std::max({dy_width, MH * (nope + mv), row, c.q_lora_rank});
   if (any_moe) {
     dy_width = std::max(dy_width, 2 * Is);
     d32_width = std::max(d32_width, Is);
@@ -262,6 +272,7 @@ void KimiCudaModel::ensure_activations(int64_t R) {
     a->dkvb32 = f32(R * MH * (nope + mv));
     a->drows32 = f32(R * row);
     a->dlat32 = f32(R * lat);
+    if (c.q_lora_rank > 0) a->dq_lat32 = f32(R * c.q_lora_rank);
     // rope_sum[h qk + nope + r, r] = 1: d(k_rope) = sum over heads of their rope-key gradients
     std::vector<float> sum(size_t(MH * qk * rope), 0.0f);
     for (int64_t h = 0; h < MH; ++h)

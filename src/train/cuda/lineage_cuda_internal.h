@@ -72,6 +72,9 @@ struct LineageCudaModel::PerLayer {
   // MLA: the kv_a rows [c | k_rope] fp32, the latent before its norm, its inverse RMS, the normed
   // latent in bf16 (q_c, k_c, v_c hold q, the per-head keys [k_nope | k_rope] and values)
   ops::cuda::DeviceBuffer rows32, lat32, inv_lat, latn_c;
+  // (a query rank's rows, inverse RMS and normed rows: mla_train.h names them, but the lineage's
+  // MLA layers have no query rank, so they stay empty)
+  ops::cuda::DeviceBuffer q_lat32, inv_q_lat, q_latn_c;
   // delta-family layers in training: the chunked forward's workspace, with what the backward
   // needs from the forward (chunk_forward_for_backward; ~290 MB at 16384 rows, 6 heads of 128)
   ops::cuda::DeviceBuffer chunk_ws;
@@ -98,6 +101,7 @@ struct LineageCudaModel::Activations {
   // MLA backward: dq / dk (bf16, per-head width qk), dk and dv in fp32, d(kv_b out), d(kv_a rows),
   // d(latent), and the [H qk, rope] 0/1 matrix that sums the heads' rope-key gradients
   ops::cuda::DeviceBuffer dqm_c, dkm_c, dkeys32, dvalues32, dkvb32, drows32, dlat32, rope_sum;
+  ops::cuda::DeviceBuffer dq_lat32;  // (empty: no query rank, as q_lat32 above)
 };
 
 }  // namespace kda::train::cuda

@@ -1,6 +1,7 @@
 // The NoPE MLA mixer that both GPU trainers run (LineageCudaModel's `M` layers, KimiCudaModel's
 // MLA layers): train/kimi_mla_train.cpp's expanded form,
-//   q = x q_proj^T [R, H, nope + rope];  [c | k_rope] = x kv_a^T;  c <- RMSNorm(c) (eps 1e-6)
+//   q = x q_proj^T [R, H, nope + rope]  (or, with a query rank, q = RMSNorm(x q_a^T) q_b^T,
+//   eps 1e-6: Kimi's q_lora_rank);  [c | k_rope] = x kv_a^T;  c <- RMSNorm(c) (eps 1e-6)
 //   [k_nope_h | v_h] = c kv_b_h^T;  k_h = [k_nope_h | k_rope] (k_rope shared by every head)
 //   o = causal softmax attention per sequence or document (scale (nope + rope)^-0.5), bf16
 // and its backward; the output projection is the caller's (o_c [R, H v]). Templates over the
@@ -21,18 +22,23 @@ using namespace training_helpers;
 
 struct Shape {
   int64_t H, nope, rope, v, latent, qk, row;
-  Shape(int64_t heads, int64_t nope_dim, int64_t rope_dim, int64_t v_dim, int64_t latent_dim)
+  int64_t q_rank;  // 0: one q_proj; else the query's low rank (q_a, its norm, q_b)
+  Shape(int64_t heads, int64_t nope_dim, int64_t rope_dim, int64_t v_dim, int64_t latent_dim,
+        int64_t q_rank_dim = 0)
       : H(heads),
         nope(nope_dim),
         rope(rope_dim),
         v(v_dim),
         latent(latent_dim),
         qk(nope_dim + rope_dim),
-        row(latent_dim + rope_dim) {}
+        row(latent_dim + rope_dim),
+        q_rank(q_rank_dim) {}
 };
 
+// q: q_proj, or q_b_proj when the shape has a query rank (then q_a, q_a_norm are set too).
 struct Weights {
-  const Entry *q, *kv_a, *kv_a_norm, *kv_b;
+  const Entry *q = nullptr, *kv_a = nullptr, *kv_a_norm = nullptr, *kv_b = nullptr;
+  const Entry *q_a = nullptr, *q_a_norm = nullptr;
 };
 
 // What a call needs of its trainer: engines, stream, sizes, the batch's layout and workspace.
@@ -65,13 +71,24 @@ k::AttentionArgs attention_args(const PerLayer& P, const Shape& m, int64_t r0, i
   return args;
 }
 
-// Reads P.a_c (the normed input); leaves the output projection's input in P.o_c.
+// Reads P.a_c (the normed input); leaves the output projection's input in P.o_c. With a query
+// rank it also keeps the query's rows (P.q_lat32), their inverse RMS and normed rows (P.q_latn_c).
 template <class PerLayer, class Activations>
 void forward(const Context& x, const Weights& W, const Shape& m, PerLayer& P, Activations& a) {
   const int64_t R = x.R, d = x.d, H = m.H;
   const cudaStream_t s = x.s;
-  x.gemm.linear(kBf16, R, H * m.qk, d, {P.a_c.data(), d}, {W.q->compute(), d},
-                {P.q_c.data(), kBf16});
+  if (m.q_rank > 0) {
+    x.gemm.linear(kBf16, R, m.q_rank, d, {P.a_c.data(), d}, {W.q_a->compute(), d},
+                  {P.q_lat32.data(), kF32});
+    k::rms_norm_forward_train(P.q_lat32.template as<float>(), R, m.q_rank, W.q_a_norm->f(),
+                              model::kKimiLatentNormEps, {P.q_latn_c.data(), kBf16},
+                              P.inv_q_lat.template as<float>(), s);
+    x.gemm.linear(kBf16, R, H * m.qk, m.q_rank, {P.q_latn_c.data(), m.q_rank},
+                  {W.q->compute(), m.q_rank}, {P.q_c.data(), kBf16});
+  } else {
+    x.gemm.linear(kBf16, R, H * m.qk, d, {P.a_c.data(), d}, {W.q->compute(), d},
+                  {P.q_c.data(), kBf16});
+  }
   x.gemm.linear(kBf16, R, m.row, d, {P.a_c.data(), d}, {W.kv_a->compute(), d},
                 {P.rows32.data(), kF32});
   k::copy_rows(P.rows32.template as<float>(), R, m.latent, m.row, {P.lat32.data(), kF32}, s);
@@ -94,7 +111,8 @@ void forward(const Context& x, const Weights& W, const Shape& m, PerLayer& P, Ac
 }
 
 // Reads the output projection's input gradient in a.do_c; writes the normed input's gradient
-// to a.dan. dv_c: a bf16 [R, H v] scratch for the attention's value gradient.
+// to a.dan. dv_c: a bf16 [R, H v] scratch for the attention's value gradient; a.dq_lat32 (fp32
+// [R, q_rank]) the query rows' gradient when the shape has a query rank.
 template <class PerLayer, class Activations>
 void backward(const Context& x, const Weights& W, const Shape& m, PerLayer& P, Activations& a,
               void* dv_c) {
@@ -109,9 +127,21 @@ void backward(const Context& x, const Weights& W, const Shape& m, PerLayer& P, A
                           static_cast<char*>(dv_c) + size_t(r0 * H * m.v) * 2, x.workspace,
                           x.workspace_bytes, s);
   });
-  // q_proj: dq is already bf16
-  linear_backward(x.gemm, x.wgrad, R, d, H * m.qk, a.dqm_c.data(), H * m.qk, P.a_c.data(), d, *W.q,
-                  {dan, kF32}, false);
+  // q_proj (or q_b, the query's norm and q_a): dq is already bf16
+  if (m.q_rank > 0) {
+    float* dqa = a.dq_lat32.template as<float>();
+    linear_backward(x.gemm, x.wgrad, R, m.q_rank, H * m.qk, a.dqm_c.data(), H * m.qk,
+                    P.q_latn_c.data(), m.q_rank, *W.q, {dqa, kF32}, false);
+    k::rms_norm_backward(P.q_lat32.template as<float>(), dqa, R, m.q_rank, W.q_a_norm->f(),
+                         P.inv_q_lat.template as<float>(), dqa, W.q_a_norm->g(), x.scratch, s,
+                         false,
+                         a.dy_c.data());  // (q_a's input gradient, in bf16)
+    linear_backward(x.gemm, x.wgrad, R, d, m.q_rank, a.dy_c.data(), m.q_rank, P.a_c.data(), d,
+                    *W.q_a, {dan, kF32}, false);
+  } else {
+    linear_backward(x.gemm, x.wgrad, R, d, H * m.qk, a.dqm_c.data(), H * m.qk, P.a_c.data(), d,
+                    *W.q, {dan, kF32}, false);
+  }
   // back through the per-head split: kv_b's output gradient and the shared rope key's (the sum
   // over heads, as a product with the 0/1 matrix rope_sum [H qk, rope])
   float* dkeys = a.dkeys32.template as<float>();
