@@ -129,13 +129,14 @@ void backward(const Context& x, const Weights& W, const Shape& m, PerLayer& P, A
   });
   // q_proj (or q_b, the query's norm and q_a): dq is already bf16
   if (m.q_rank > 0) {
+    // q_b into the normed rows' gradient, the norm back to the q_a rows' (in place, and in
+    // bf16 into dy_c: what q_a's backward reads)
     float* dqa = a.dq_lat32.template as<float>();
     linear_backward(x.gemm, x.wgrad, R, m.q_rank, H * m.qk, a.dqm_c.data(), H * m.qk,
                     P.q_latn_c.data(), m.q_rank, *W.q, {dqa, kF32}, false);
     k::rms_norm_backward(P.q_lat32.template as<float>(), dqa, R, m.q_rank, W.q_a_norm->f(),
                          P.inv_q_lat.template as<float>(), dqa, W.q_a_norm->g(), x.scratch, s,
-                         false,
-                         a.dy_c.data());  // (q_a's input gradient, in bf16)
+                         /*accumulate_dx=*/false, a.dy_c.data());
     linear_backward(x.gemm, x.wgrad, R, d, m.q_rank, a.dy_c.data(), m.q_rank, P.a_c.data(), d,
                     *W.q_a, {dan, kF32}, false);
   } else {
