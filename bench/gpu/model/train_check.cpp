@@ -843,6 +843,9 @@ void check_train(Tally& tally) {
   check_embedding_backward(1, 100, 1000, 1, false, tally);
   check_embedding_backward(2000, 64, 163840, 2000, true, tally);
   check_embedding_backward(500, 2304, 1000, 100, false, tally);
+  // long runs of one id, as the recall tasks make (Stack's pop token on a third of the rows)
+  check_embedding_backward(65536, 256, 8192, 3, true, tally);
+  check_embedding_backward(1000, 256, 8192, 1, false, tally);
 
   // rows, V, logits type, in place, every k-th row (from row 1) unscored
   check_cross_entropy(37, 1000, f32, false, 4, tally);

@@ -27,6 +27,12 @@ __global__ void embedding_keys_kernel(const int32_t* ids, int64_t rows, int64_t 
 }
 
 // Block (p, column block): when sorted position p starts a run of one id, adds the run's rows.
+// A run can be most of the batch (the recall tasks repeat one id on 1/3 to 5/8 of their rows),
+// and the adds must stay in row order to equal the CPU. So the run's end is found first (keys are
+// sorted: a binary search), and each thread loads kAhead rows' values before adding them one by
+// one: the loads overlap, where one load at a time made a chain of run-length round trips.
+constexpr int kAhead = 16;
+
 __global__ void embedding_runs_kernel(const uint32_t* keys, const int32_t* order, int64_t rows,
                                       int64_t D, int64_t vocab, const float* dy, float* dtable) {
   const int64_t p = blockIdx.x;
@@ -34,9 +40,26 @@ __global__ void embedding_runs_kernel(const uint32_t* keys, const int32_t* order
   if (key >= uint32_t(vocab) || (p > 0 && keys[p - 1] == key)) return;
   const int64_t col = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
   if (col >= D) return;
+  int64_t lo = p + 1, hi = rows;  // the first position past the run lies in [lo, hi]
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (keys[mid] == key)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  const int64_t end = lo;
   float* out = dtable + int64_t(key) * D + col;
   float s = *out;
-  for (int64_t q = p; q < rows && keys[q] == key; ++q) s += dy[int64_t(order[q]) * D + col];
+  int64_t q = p;
+  for (; q + kAhead <= end; q += kAhead) {
+    float v[kAhead];
+#pragma unroll
+    for (int i = 0; i < kAhead; ++i) v[i] = dy[int64_t(order[q + i]) * D + col];
+#pragma unroll
+    for (int i = 0; i < kAhead; ++i) s += v[i];
+  }
+  for (; q < end; ++q) s += dy[int64_t(order[q]) * D + col];
   *out = s;
 }
 
