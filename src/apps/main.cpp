@@ -25,7 +25,7 @@ void print_usage() {
       "commands:\n"
       "  lineage   measured walk through the lineage (softmax -> KDA) on this machine\n"
       "  verify    check op fixtures and model folders (logits, decode, gradients)\n"
-      "  bench     CPU benchmarks: GEMM ceiling, chunked/recurrent KDA and Gated DeltaNet\n"
+      "  bench     benchmarks: CPU kernels, recall, decode, training, task streams\n"
       "  info      architecture, parameters and memory per sequence of a model or config\n"
       "  run       generate text from a model folder (GPT-2, Kimi Linear)\n"
       "  serve     OpenAI-style HTTP server (completions, chat, streaming)\n"
