@@ -542,6 +542,11 @@ int cmd_bench_recall(const Args& args) {
   std::printf("\ntest accuracy (best lr%s), %.0f s\n",
               seeds > 1 ? "; mean over seeds (min-max)" : "", total.seconds());
   table.print();
+  if (quick)
+    std::printf(
+        "(--quick, %lld steps: a smoke run that shows every mixer trains, not the papers'"
+        " ranking;\n MQAR and Palindrome need thousands of steps: docs/RECALL.md)\n",
+        static_cast<long long>(steps));
   table.write(out_dir, "recall");
   // With a sweep, every learning rate's cells too (a best-lr table hides how sharp the optimum
   // is, and where a mixer learned at one rate only), appended to recall.md.
